@@ -1,0 +1,35 @@
+"""The `raylane` command line: one subcommand per operator task.
+
+Each subcommand's module is imported only when it runs, so `raylane --help` stays fast
+and a subcommand's heavy dependencies (torch, ray) load only where needed.
+"""
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module with `add_arguments(parser)` and `run(args)`, help text)
+SUBCOMMANDS = {
+    "demo-models": ("cluster.demo_models", "create the small demo checkpoints (Llama-style, Qwen3-MoE-style)"),
+    "generate": ("cluster.generate", "generate text offline with the engine from a local checkpoint"),
+    "bench": ("bench.cli", "run a benchmark (engine, ...) and print its table"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raylane", description="raylane LLM serving cluster")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text)
+        sub_parser.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(sub_parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return importlib.import_module(args._module).run(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Attention over a paged KV cache.
+
+The engine describes one step's batch with an `AttentionMetadata` (built once per
+step, shared by every layer); each layer's `Attention` writes the new tokens' keys
+and values into its cache blocks and attends over the request's whole context.
+
+The implementation is plain torch (gather the context through the block table, then
+`scaled_dot_product_attention` with a mask), so it runs on CPU and CUDA alike. A
+faster GPU kernel replaces `paged_attention` without touching the models.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """One step's batch layout; tokens of all requests are flattened to N rows.
+
+    slot_mapping: [N] cache slot (block_id * block_size + offset) each new token's K/V goes to.
+    query_dest:   [N] row of each token in the padded query tensor of shape [B * max_query_len].
+    kv_slots:     [B, max_kv_len] cache slots of each request's whole context (padded).
+    attn_mask:    [B, 1, max_query_len, max_kv_len] True where a query may attend a key.
+    """
+
+    slot_mapping: torch.Tensor
+    query_dest: torch.Tensor
+    kv_slots: torch.Tensor
+    attn_mask: torch.Tensor
+    max_query_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.kv_slots.shape[0]
+
+
+def build_attention_metadata(
+    block_tables: list[list[int]],
+    context_lens: list[int],
+    query_lens: list[int],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    sliding_window: int | None = None,
+) -> AttentionMetadata:
+    """Describe a batch where request i computes its last `query_lens[i]` tokens of
+    `context_lens[i]` (cached prefix + new tokens), its KV in `block_tables[i]`."""
+    num_seqs = len(context_lens)
+    max_q, max_kv = max(query_lens), max(context_lens)
+    ctx = torch.tensor(context_lens)
+    qlen = torch.tensor(query_lens)
+    kv_pos = torch.arange(max_kv)
+    # Cache slot of every context position: block_tables[i][pos // bs] * bs + pos % bs.
+    width = max(len(t) for t in block_tables)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables])
+    block_idx = (kv_pos // block_size).clamp(max=width - 1).expand(num_seqs, -1)
+    kv_slots = tables.gather(1, block_idx) * block_size + kv_pos % block_size
+    kv_slots = torch.where(kv_pos < ctx[:, None], kv_slots, 0)
+    # Absolute position of each padded query row; row j of request i is at ctx - qlen + j.
+    q_row = torch.arange(max_q)
+    q_pos = (ctx - qlen)[:, None] + q_row
+    mask = kv_pos[None, None, :] <= q_pos[:, :, None]
+    if sliding_window is not None:
+        mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    valid_q = q_row[None, :] < qlen[:, None]
+    # Padding rows attend to slot 0 only, so softmax never sees an all-masked row.
+    mask = torch.where(valid_q[:, :, None], mask, kv_pos[None, None, :] == 0)
+    query_dest = torch.cat([i * max_q + torch.arange(n) for i, n in enumerate(query_lens)])
+    new_pos = torch.cat([torch.arange(c - n, c) for c, n in zip(context_lens, query_lens, strict=True)])
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), qlen)
+    slot_mapping = kv_slots[seq_of_token, new_pos] if max_kv else new_pos
+    return AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        query_dest=query_dest.to(device),
+        kv_slots=kv_slots.to(device),
+        attn_mask=mask[:, None].to(device),
+        max_query_len=max_q,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [N, H, D]; k, v: [N, KVH, D]; caches: [num_blocks, block_size, KVH, D]. Returns [N, H, D]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[1]
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    flat_k.index_copy_(0, meta.slot_mapping, k)
+    flat_v.index_copy_(0, meta.slot_mapping, v)
+    keys = flat_k[meta.kv_slots].transpose(1, 2)  # [B, KVH, L, D]
+    values = flat_v[meta.kv_slots].transpose(1, 2)
+    batch, max_q = meta.num_seqs, meta.max_query_len
+    padded = q.new_zeros(batch * max_q, num_heads, head_dim)
+    padded[meta.query_dest] = q
+    padded = padded.view(batch, max_q, num_heads, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        padded, keys, values, attn_mask=meta.attn_mask, scale=scale, enable_gqa=num_kv_heads != num_heads
+    )
+    return out.transpose(1, 2).reshape(batch * max_q, num_heads, head_dim)[meta.query_dest]
+
+
+class Attention(nn.Module):
+    """One layer's attention over its own KV cache blocks.
+
+    The engine allocates the caches and binds them with `bind_kv_cache`; before that
+    (e.g. a bare forward in a test) the layer cannot run.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return out.reshape(-1, self.num_heads * self.head_dim)
