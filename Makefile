@@ -24,7 +24,7 @@ install-test: $(BIN)/python
 
 run: install
 	$(BIN)/raylane demo-models $(DEMO_DIR)
-	$(BIN)/raylane generate --model $(DEMO_DIR)/raylane-llama-tiny "Hello from raylane"
+	$(BIN)/raylane generate --model $(DEMO_DIR)/raylane-llama-tiny --chat "Hello from raylane"
 
 lint:
 	$(BIN)/ruff check .

@@ -10,7 +10,7 @@ import sys
 
 # subcommand -> (module with `add_arguments(parser)` and `run(args)`, help text)
 SUBCOMMANDS = {
-    "demo-models": ("cluster.demo_models", "create the small demo checkpoints (Llama-style, Qwen3-MoE-style)"),
+    "demo-models": ("cluster.demo_models", "create the small demo checkpoints (Llama, Qwen3-MoE)"),
     "generate": ("cluster.generate", "generate text offline with the engine from a local checkpoint"),
     "bench": ("bench.cli", "run a benchmark (engine, ...) and print its table"),
 }

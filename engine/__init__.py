@@ -1,0 +1,21 @@
+"""One replica's inference engine (vLLM-shaped): `LLM` offline, `AsyncLLM` for serving."""
+
+from engine.async_llm import AsyncLLM, EngineDeadError
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "EngineConfig",
+    "EngineDeadError",
+    "LLMEngine",
+    "SamplingParams",
+    "RequestOutput",
+    "RequestOutputKind",
+    "CompletionOutput",
+    "Logprob",
+]

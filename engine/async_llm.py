@@ -1,0 +1,174 @@
+"""The serving engine: an `LLMEngine` stepped by a background thread, driven from asyncio.
+
+The model forward is blocking torch work, so it runs on its own thread (torch releases the
+GIL inside kernels) while the event loop keeps accepting requests and streaming outputs.
+Commands (add, abort) cross into the thread through a queue; outputs come back to each
+request's asyncio queue with `call_soon_threadsafe`.
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; requests in flight end with this error instead of hanging."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig | None = None, **engine_args):
+        self.engine = LLMEngine(config or EngineConfig(**engine_args))
+        self._commands: queue.Queue = queue.Queue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="raylane-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncLLM":
+        return cls(config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield outputs as tokens arrive; the last one has `finished=True`. Leaving the loop
+        early (a client disconnect, a cancelled task) aborts the request and frees its blocks."""
+        if self._error is not None:
+            raise EngineDeadError(str(self._error)) from self._error
+        request_id = request_id or uuid.uuid4().hex
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        added: asyncio.Future = stream.loop.create_future()
+        self._send(("add", request_id, prompt, sampling_params, priority, stream, added))
+        await added  # raises the engine's ValueError for a bad prompt or parameter
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                await asyncio.shield(self.abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; returns once its KV blocks are free."""
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._send(("abort", request_id, done))
+        await done
+
+    async def run_in_engine(self, fn):
+        """Run `fn(engine)` on the engine thread between steps (for stats and tests)."""
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._send(("call", fn, done))
+        return await done
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+
+    # -- engine thread -------------------------------------------------------------------------
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                if not self.engine.has_unfinished_requests() and self._commands.empty():
+                    self._wakeup.wait()
+                self._wakeup.clear()
+                self._handle_commands()
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        self._deliver(out)
+        except BaseException as e:  # noqa: BLE001 - every waiting request must hear about it
+            logger.exception("engine loop failed")
+            self._error = e
+            for request_id, stream in list(self._streams.items()):
+                stream.put(EngineDeadError(f"engine failed: {e!r}"))
+                self._streams.pop(request_id, None)
+
+    def _handle_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            kind, *args = command
+            getattr(self, f"_do_{kind}")(*args)
+
+    def _do_add(self, request_id, prompt, params, priority, stream: _Stream, added) -> None:
+        try:
+            self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
+        except Exception as e:
+            stream.loop.call_soon_threadsafe(_resolve, added, None, e)
+            return
+        self._streams[request_id] = stream
+        stream.loop.call_soon_threadsafe(_resolve, added, None, None)
+
+    def _do_abort(self, request_id: str, done: asyncio.Future) -> None:
+        out = self.engine.abort_request(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and out is not None:
+            stream.put(out)
+        done.get_loop().call_soon_threadsafe(_resolve, done, None, None)
+
+    def _do_call(self, fn, done: asyncio.Future) -> None:
+        try:
+            result, error = fn(self.engine), None
+        except Exception as e:
+            result, error = None, e
+        done.get_loop().call_soon_threadsafe(_resolve, done, result, error)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        if out.finished:
+            del self._streams[out.request_id]
+        stream.put(out)
+
+
+def _resolve(future: asyncio.Future, result, error) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,311 @@
+"""The synchronous engine core: add requests, `step()` the batch, collect outputs.
+
+`LLM` (offline) and `AsyncLLM` (serving) both drive this class; it owns the scheduler,
+the KV block manager, the model runner and the sampler, and turns sampled tokens into
+`RequestOutput`s (detokenized, with stop conditions applied).
+"""
+
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_runner import ModelInput, ModelRunner
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampler import Sampler
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class ParentRequest:
+    """A user request: n child `Request`s that sample independently from one prompt."""
+
+    request_id: str
+    prompt: str | None
+    params: SamplingParams
+    children: list[Request]
+    detokenizers: list[IncrementalDetokenizer | None]
+    sent_text: list[int] = field(default_factory=list)  # chars/tokens already sent (DELTA outputs)
+    sent_tokens: list[int] = field(default_factory=list)
+    finish_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.status.finished for c in self.children)
+
+
+def load_tokenizer(path: str):
+    """The checkpoint's tokenizer, or None for a checkpoint without one (token-id prompts only)."""
+    from transformers import AutoTokenizer
+
+    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    return AutoTokenizer.from_pretrained(path)
+
+
+def eos_token_ids(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:
+        eos = getattr(hf_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.hf_config = self.runner.hf_config
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.vocab_size = self.hf_config.vocab_size
+        self.eos_token_ids = eos_token_ids(config.model, self.hf_config, self.tokenizer)
+        self.max_model_len = min(
+            config.max_model_len or self.hf_config.max_position_embeddings,
+            self.runner.num_blocks * config.block_size,
+        )
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        self.parents: dict[str, ParentRequest] = {}
+        self._structured = None
+        self._ids = itertools.count()
+
+    # -- requests in ---------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt: must not be empty")
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens leave no room to generate "
+                f"within the maximum context length of {self.max_model_len} tokens"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer")
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.parents:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        token_ids = self.tokenize(prompt)
+        self._validate_prompt(token_ids, params)
+        arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        children, detoks = [], []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = params.clone(seed=params.seed + i)
+            child = Request(
+                request_id=request_id if params.n == 1 else f"{i}_{request_id}",
+                prompt_token_ids=token_ids,
+                sampling_params=child_params,
+                priority=priority,
+                arrival_time=arrival_time,
+                max_total_tokens=self.max_model_len,
+                eos_token_ids=self.eos_token_ids,
+            )
+            if params.structured is not None:
+                child.grammar = self.structured_output.new_matcher(params.structured)
+            children.append(child)
+            detoks.append(self._new_detokenizer(token_ids, params))
+        parent = ParentRequest(request_id, prompt if isinstance(prompt, str) else None, params, children, detoks)
+        parent.sent_text = [0] * params.n
+        parent.sent_tokens = [0] * params.n
+        self.parents[request_id] = parent
+        for child in children:
+            self.scheduler.add_request(child)
+        return request_id
+
+    def _new_detokenizer(self, prompt_ids: list[int], params: SamplingParams):
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_ids,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+        )
+
+    @property
+    def structured_output(self):
+        if self._structured is None:
+            from engine.structured_output import StructuredOutputManager
+
+            if self.tokenizer is None:
+                raise ValueError("structured: grammar-constrained decoding needs a tokenizer")
+            self._structured = StructuredOutputManager(self.tokenizer, self.vocab_size)
+        return self._structured
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks; returns its final output."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        for child in parent.children:
+            if not child.status.finished:
+                self._finish(child, RequestStatus.FINISHED_ABORTED)
+        return self._make_output(parent)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled.requests:
+            return []
+        batch, sampling = self._prepare_input(scheduled)
+        logits = self.runner.execute_model(batch)
+        for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
+            request.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(request)
+        touched: dict[str, ParentRequest] = {}
+        if sampling:
+            self._apply_grammar(logits, sampling)
+            sampled = self.sampler(logits, sampling)
+            for row, request in enumerate(sampling):
+                self._append_token(request, sampled.token_ids[row], sampled.logprobs[row])
+                touched[self._parent_id(request)] = self.parents[self._parent_id(request)]
+        return [out for p in touched.values() if (out := self._make_output(p)) is not None]
+
+    def _prepare_input(self, scheduled: SchedulerOutput) -> tuple[ModelInput, list[Request]]:
+        batch = ModelInput([], [], [], [], [], [])
+        sampling: list[Request] = []
+        for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
+            start = request.num_computed_tokens
+            end = start + num_new
+            batch.token_ids.extend(request.all_token_ids[start:end])
+            batch.positions.extend(range(start, end))
+            batch.block_tables.append(request.block_ids)
+            batch.context_lens.append(end)
+            batch.query_lens.append(num_new)
+            if end == request.num_tokens:  # the prompt (or recompute) is done: sample the next token
+                batch.sample_indices.append(len(batch.token_ids) - 1)
+                sampling.append(request)
+        return batch, sampling
+
+    def _apply_grammar(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if rows:
+            self.structured_output.apply_masks(logits, rows, [requests[i].grammar for i in rows])
+
+    def _parent_id(self, request: Request) -> str:
+        return request.request_id if request.sampling_params.n == 1 else request.request_id.split("_", 1)[1]
+
+    def _append_token(self, request: Request, token_id: int, logprobs) -> None:
+        request.append_token(token_id)
+        if request.grammar is not None:
+            request.grammar.accept_token(token_id)
+        if logprobs is not None:
+            request.logprobs.append(self._logprob_entry(token_id, logprobs))
+        status = request.check_stop()
+        parent = self.parents[self._parent_id(request)]
+        detok = parent.detokenizers[parent.children.index(request)]
+        # A token that stopped the request (EOS, a stop token id) is not part of the text, as in vLLM.
+        if detok is not None and status != RequestStatus.FINISHED_STOPPED:
+            detok.update([token_id])
+            if detok.stopped_by is not None:
+                request.stop_reason = detok.stopped_by
+                status = RequestStatus.FINISHED_STOPPED
+        if status is not None:
+            self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+        parent = self.parents[self._parent_id(request)]
+        detok = parent.detokenizers[parent.children.index(request)]
+        if detok is not None and detok.stopped_by is None:
+            detok.flush()  # release text held back in case it began a stop string
+
+    def _logprob_entry(self, token_id: int, logprobs) -> dict[int, Logprob]:
+        sampled, top = logprobs
+        entry = {tid: Logprob(lp) for tid, lp in top}
+        entry[token_id] = Logprob(sampled)
+        if self.tokenizer is not None:
+            for tid, lp in entry.items():
+                lp.decoded_token = self.tokenizer.decode([tid])
+        return entry
+
+    # -- outputs -------------------------------------------------------------------------------
+
+    def _make_output(self, parent: ParentRequest) -> RequestOutput | None:
+        kind = parent.params.output_kind
+        finished = parent.finished
+        if finished:
+            self.parents.pop(parent.request_id, None)
+            parent.finish_time = time.monotonic()
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        outputs = [self._completion(parent, i, kind == RequestOutputKind.DELTA) for i in range(parent.params.n)]
+        first = parent.children[0]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            metrics=self._metrics(parent),
+        )
+
+    def _completion(self, parent: ParentRequest, i: int, delta: bool) -> CompletionOutput:
+        child, detok = parent.children[i], parent.detokenizers[i]
+        text = detok.text if detok is not None else ""
+        tokens, logprobs = child.output_token_ids, child.logprobs if child.sampling_params.logprobs is not None else None
+        if delta:
+            text_from, tokens_from = parent.sent_text[i], parent.sent_tokens[i]
+            parent.sent_text[i], parent.sent_tokens[i] = len(text), len(tokens)
+            text, tokens = text[text_from:], tokens[tokens_from:]
+            logprobs = logprobs[tokens_from:] if logprobs is not None else None
+        return CompletionOutput(
+            index=i,
+            text=text,
+            token_ids=list(tokens),
+            logprobs=list(logprobs) if logprobs is not None else None,
+            finish_reason=child.status.finish_reason,
+            stop_reason=child.stop_reason,
+        )
+
+    def _metrics(self, parent: ParentRequest) -> dict:
+        first = parent.children[0]
+        metrics = {"arrival_time": first.arrival_time, "num_preemptions": first.num_preemptions}
+        if first.first_token_time is not None:
+            metrics["time_to_first_token"] = first.first_token_time - first.arrival_time
+        if parent.finish_time is not None:
+            metrics["e2e_latency"] = parent.finish_time - first.arrival_time
+        return metrics

@@ -1,0 +1,97 @@
+"""Owns the model and its KV cache on one device; runs one step's forward.
+
+The runner sees only `ModelInput` (plain lists, cheap to pickle), so the same runner runs
+in-process or inside a Ray worker that receives the batch from the driver.
+"""
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from models import load_model
+from models.attention import build_attention_metadata
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class ModelInput:
+    token_ids: list[int]  # new tokens of all requests, flattened
+    positions: list[int]
+    block_tables: list[list[int]]
+    context_lens: list[int]  # per request: tokens in its KV after this step
+    query_lens: list[int]  # per request: new tokens this step
+    sample_indices: list[int]  # flattened token rows whose logits are wanted
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def resolve_dtype(config: EngineConfig, hf_config, device: torch.device) -> torch.dtype:
+    if config.dtype != "auto":
+        return DTYPES[config.dtype]
+    if device.type == "cpu":
+        return torch.float32
+    checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    return checkpoint_dtype if isinstance(checkpoint_dtype, torch.dtype) else torch.bfloat16
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        from transformers import AutoConfig
+
+        self.config = config
+        self.device = resolve_device(config)
+        self.dtype = resolve_dtype(config, AutoConfig.from_pretrained(config.model), self.device)
+        self.model, self.hf_config = load_model(config.model, dtype=self.dtype, device=self.device)
+        self.block_size = config.block_size
+        self.num_blocks = config.num_kv_blocks or self._num_blocks_for_memory()
+        self._allocate_kv_cache()
+
+    def _block_bytes(self) -> int:
+        shape = self.model.kv_cache_shape_per_block(self.block_size)
+        per_layer = 2 * torch.Size(shape).numel() * torch.tensor([], dtype=self.dtype).element_size()
+        return per_layer * self.model.num_layers
+
+    def _num_blocks_for_memory(self) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - self.config.gpu_memory_utilization) * total
+        else:
+            budget = self.config.kv_cache_memory_gb * 2**30
+        return max(1, int(budget // self._block_bytes()))
+
+    def _allocate_kv_cache(self) -> None:
+        shape = (self.num_blocks, *self.model.kv_cache_shape_per_block(self.block_size))
+        for layer in self.model.attention_layers():
+            layer.bind_kv_cache(
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.1f MiB)",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self._block_bytes() / 2**20,
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, batch: ModelInput) -> torch.Tensor:
+        """Forward the batch; returns float32 logits [len(sample_indices), vocab] on CPU."""
+        meta = build_attention_metadata(
+            batch.block_tables, batch.context_lens, batch.query_lens, self.block_size, self.device
+        )
+        input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, positions, meta)
+        if not batch.sample_indices:
+            return torch.empty(0, 0)
+        rows = torch.tensor(batch.sample_indices, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[rows]).float().cpu()

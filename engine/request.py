@@ -1,0 +1,98 @@
+"""A request as the scheduler sees it: tokens, progress, and its KV blocks."""
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0  # lower is served first, as in vLLM
+    arrival_time: float = field(default_factory=time.monotonic)
+    max_total_tokens: int = 0  # prompt + output may not exceed this (the model's context)
+    eos_token_ids: frozenset[int] = frozenset()
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens found in the prefix cache; -1 until first scheduled
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of the full blocks so far
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    grammar: Any = None  # a structured-output matcher state when the request is constrained
+    logprobs: list = field(default_factory=list)
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        """Order of service: priority first, then arrival (FCFS within a priority)."""
+        return (self.priority, self.arrival_time)
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    def check_stop(self) -> RequestStatus | None:
+        """Token-level stop conditions after a token was appended (stop strings are the detokenizer's)."""
+        params, last = self.sampling_params, self.all_token_ids[-1]
+        if self.num_output_tokens < params.min_tokens:
+            return None
+        if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
+            self.stop_reason = last if last in params.stop_token_ids else None
+            return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None and self.grammar.is_terminated():
+            return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.num_tokens >= self.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

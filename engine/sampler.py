@@ -1,0 +1,100 @@
+"""Turns one step's logits into tokens, each row with its own request's settings.
+
+Rows are handled in batches where settings allow (greedy rows with one argmax, unseeded
+random rows with one draw) and one by one only where a request owns a seeded generator,
+so a request's output depends on its seed alone, not on what it was batched with.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: (sampled token's logprob, [(token id, logprob)] top-k) or None when not asked for.
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    """OpenAI's presence/frequency penalties over generated tokens; HF's repetition penalty
+    over prompt and generated tokens. In place, only on rows that ask for them."""
+    for row, request in enumerate(requests):
+        params = request.sampling_params
+        if not params.needs_penalties:
+            continue
+        vocab = logits.shape[1]
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long).clamp(max=vocab - 1)
+            scores = logits[row, seen]
+            logits[row, seen] = torch.where(
+                scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty
+            )
+        if params.presence_penalty or params.frequency_penalty:
+            counts = torch.bincount(torch.tensor(request.output_token_ids, dtype=torch.long), minlength=vocab)
+            counts = counts[:vocab].to(logits.dtype)
+            logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+
+
+def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p, on one row; returns probabilities."""
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    # Exponential race (Gumbel-max in disguise): argmax(p / E) with E ~ Exp(1) samples from p.
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
+
+
+def _logprobs(logits: torch.Tensor, token_ids: list[int], requests: list[Request]) -> list:
+    wanted = [r.sampling_params.logprobs for r in requests]
+    if all(k is None for k in wanted):
+        return [None] * len(requests)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    top = max(k or 0 for k in wanted)
+    top_vals, top_ids = logprobs.topk(top, dim=-1) if top else (None, None)
+    out = []
+    for row, k in enumerate(wanted):
+        if k is None:
+            out.append(None)
+            continue
+        pairs = list(zip(top_ids[row, :k].tolist(), top_vals[row, :k].tolist(), strict=True)) if k else []
+        out.append((float(logprobs[row, token_ids[row]]), pairs))
+    return out
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator  # the engine's, for requests without a seed
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """logits: [len(requests), vocab] float32 raw model logits (grammar masks already applied)."""
+        raw = logits
+        if any(r.sampling_params.needs_penalties for r in requests):
+            logits = logits.clone()
+            apply_penalties(logits, requests)
+        token_ids = logits.argmax(dim=-1).tolist()
+        for row, request in enumerate(requests):
+            params = request.sampling_params
+            if not params.greedy:
+                probs = _filter(logits[row], params)
+                token_ids[row] = _draw(probs, request.generator or self.generator)
+        # Logprobs are of the model's distribution (before penalties and filters), as vLLM reports by default.
+        return SamplerOutput(token_ids, _logprobs(raw, token_ids, requests))

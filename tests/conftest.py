@@ -1,0 +1,31 @@
+"""Shared fixtures: tiny random checkpoints (built once per session) and the demo models."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(family) -> path of a tiny random HF checkpoint of that family (cached)."""
+    from tests.hf_models import make_checkpoint
+
+    made: dict[str, str] = {}
+
+    def get(family: str) -> str:
+        if family not in made:
+            made[family] = str(make_checkpoint(tmp_path_factory.mktemp(family), family))
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def demo_models(tmp_path_factory):
+    """The project's demo checkpoints (with tokenizer and chat template), created once."""
+    from cluster.demo_models import create_demo_models
+
+    return create_demo_models(tmp_path_factory.mktemp("demo-models"))

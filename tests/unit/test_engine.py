@@ -1,0 +1,167 @@
+"""Scheduling behaviour a user notices: batching, prefix reuse, preemption, abort, priority, seeds."""
+
+import asyncio
+
+import pytest
+import torch
+
+from engine import LLM, AsyncLLM, SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.config import EngineConfig
+
+
+def random_prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoint) -> str:
+    return checkpoint("llama")
+
+
+def count_computed_tokens(engine: LLMEngine) -> list[int]:
+    """Record how many tokens each forward pass computes."""
+    counts: list[int] = []
+    run = engine.runner.execute_model
+
+    def counting(batch):
+        counts.append(len(batch.token_ids))
+        return run(batch)
+
+    engine.runner.execute_model = counting
+    return counts
+
+
+async def test_late_short_request_finishes_before_early_long_one(llama):
+    engine = AsyncLLM(model=llama, num_kv_blocks=64, max_num_seqs=4)
+    finish_order: list[str] = []
+    long_tokens_when_short_done: list[int] = []
+    long_progress = [0]
+
+    async def run(rid, prompt, max_tokens):
+        async for out in engine.generate(prompt, greedy(max_tokens), request_id=rid):
+            if rid == "long":
+                long_progress[0] = len(out.outputs[0].token_ids)
+            if out.finished:
+                finish_order.append(rid)
+                if rid == "short":
+                    long_tokens_when_short_done.append(long_progress[0])
+
+    long_task = asyncio.create_task(run("long", random_prompt(30, 0), 150))
+    while long_progress[0] < 5:  # the long request is decoding when the short one arrives
+        await asyncio.sleep(0.01)
+    await run("short", random_prompt(6, 1), 5)
+    await long_task
+    engine.shutdown()
+    assert finish_order == ["short", "long"]
+    assert 5 < long_tokens_when_short_done[0] < 150  # joined the running batch, didn't wait for it
+
+
+def test_prefix_cache_computes_only_the_new_suffix_and_matches_a_cold_run(llama):
+    prefix, suffix = random_prompt(64, 2), random_prompt(7, 3)
+    cold = LLM(llama, num_kv_blocks=64, enable_prefix_caching=False).generate(prefix + suffix, greedy(10))
+    llm = LLM(llama, num_kv_blocks=64, block_size=16)
+    llm.generate(prefix + random_prompt(5, 4), greedy(4))
+    counts = count_computed_tokens(llm.engine)
+    warm = llm.generate(prefix + suffix, greedy(10))
+    assert warm[0].num_cached_tokens == 64
+    assert counts[0] == 7  # only the suffix was prefilled
+    assert warm[0].outputs[0].token_ids == cold[0].outputs[0].token_ids
+    stats = llm.engine.block_manager
+    assert stats.prefix_cache_hits == 64 and stats.prefix_cache_queries == 69 + 71
+
+
+def test_preemption_under_kv_pressure_keeps_outputs_identical(llama):
+    prompts = [random_prompt(20 + 5 * i, 10 + i) for i in range(4)]
+    params = greedy(40)
+    roomy = LLM(llama, num_kv_blocks=128, block_size=8).generate(prompts, params)
+    # 14 blocks of 8 tokens: each request needs up to 9, so at most one and a half fit.
+    tight = LLM(llama, num_kv_blocks=14, block_size=8)
+    outputs = tight.generate(prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in roomy]
+    assert tight.engine.block_manager.num_free_blocks == 14
+
+
+async def test_abort_frees_kv_blocks_at_once(llama):
+    engine = AsyncLLM(model=llama, num_kv_blocks=32)
+    seen = 0
+    async for out in engine.generate(random_prompt(40, 5), greedy(200), request_id="victim"):
+        seen = len(out.outputs[0].token_ids)
+        if seen == 3:
+            assert await engine.run_in_engine(lambda e: e.block_manager.num_free_blocks) < 32
+            await engine.abort("victim")
+            break
+    free = await engine.run_in_engine(lambda e: e.block_manager.num_free_blocks)
+    running = await engine.run_in_engine(lambda e: len(e.scheduler.running) + len(e.scheduler.waiting))
+    engine.shutdown()
+    assert seen == 3 and free == 32 and running == 0
+
+
+async def test_client_leaving_the_stream_aborts_the_request(llama):
+    engine = AsyncLLM(model=llama, num_kv_blocks=32)
+    gen = engine.generate(random_prompt(10, 6), greedy(200), request_id="gone")
+    async for _ in gen:
+        break
+    await gen.aclose()  # what a disconnect does to the serving task
+    assert await engine.run_in_engine(lambda e: e.block_manager.num_free_blocks) == 32
+    engine.shutdown()
+
+
+def test_priority_zero_request_is_scheduled_before_earlier_priority_one_requests(llama):
+    engine = LLMEngine(EngineConfig(model=llama, num_kv_blocks=64, max_num_seqs=2))
+    for i in range(2):  # fill the batch
+        engine.add_request(random_prompt(8, 20 + i), greedy(6), request_id=f"running{i}")
+    engine.step()
+    for i in range(3):
+        engine.add_request(random_prompt(8, 30 + i), greedy(6), request_id=f"low{i}", priority=1)
+    engine.add_request(random_prompt(8, 40), greedy(6), request_id="urgent", priority=0)
+    first_output_step: dict[str, int] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for out in engine.step():
+            first_output_step.setdefault(out.request_id, step)
+    assert all(first_output_step["urgent"] < first_output_step[f"low{i}"] for i in range(3))
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batch_mates(llama):
+    llm = LLM(llama, num_kv_blocks=64)
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=12, seed=7, ignore_eos=True)
+    alone = llm.generate(random_prompt(9, 50), params)[0].outputs[0].token_ids
+    batched = llm.generate([random_prompt(9, 50), random_prompt(15, 51)], [params, params.clone(seed=8)])
+    assert batched[0].outputs[0].token_ids == alone
+    other_seed = llm.generate(random_prompt(9, 50), params.clone(seed=8))[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_n_completions_are_independent_samples(llama):
+    llm = LLM(llama, num_kv_blocks=64)
+    out = llm.generate(random_prompt(9, 60), SamplingParams(n=3, max_tokens=10, seed=1, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 10 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("temperature", -1), ("top_p", 0.0), ("top_k", -3), ("max_tokens", 0), ("n", 0), ("min_p", 2.0),
+     ("presence_penalty", 3.0), ("logprobs", -1), ("repetition_penalty", 0.0)],
+)
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_bad_prompts_are_rejected_with_a_clear_error(llama):
+    llm = LLM(llama, num_kv_blocks=8, block_size=16)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[]], greedy(4))
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate(random_prompt(200, 1), greedy(4))  # 8 blocks x 16 = 128 tokens of KV
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[10_000]], greedy(4))
