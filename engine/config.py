@@ -23,9 +23,13 @@ class EngineConfig(BaseModel):
         None, ge=1, description="Longest prompt + output; defaults to the model's max_position_embeddings."
     )
     num_kv_blocks: int | None = Field(
-        None, ge=1, description="KV cache blocks; default: sized from kv_cache_memory_gb (CPU) or free GPU memory."
+        None,
+        ge=1,
+        description="KV cache blocks; default: sized from kv_cache_memory_gb (CPU) or free GPU memory.",
     )
-    kv_cache_memory_gb: float = Field(2.0, gt=0, description="KV cache size on CPU when num_kv_blocks is unset.")
+    kv_cache_memory_gb: float = Field(
+        2.0, gt=0, description="KV cache size on CPU when num_kv_blocks is unset."
+    )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Fraction of GPU memory the weights and KV cache may use."
     )

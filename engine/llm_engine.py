@@ -79,7 +79,9 @@ class LLMEngine:
             config.max_model_len or self.hf_config.max_position_embeddings,
             self.runner.num_blocks * config.block_size,
         )
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.parents: dict[str, ParentRequest] = {}
@@ -141,7 +143,9 @@ class LLMEngine:
                 child.grammar = self.structured_output.new_matcher(params.structured)
             children.append(child)
             detoks.append(self._new_detokenizer(token_ids, params))
-        parent = ParentRequest(request_id, prompt if isinstance(prompt, str) else None, params, children, detoks)
+        parent = ParentRequest(
+            request_id, prompt if isinstance(prompt, str) else None, params, children, detoks
+        )
         parent.sent_text = [0] * params.n
         parent.sent_tokens = [0] * params.n
         self.parents[request_id] = parent
@@ -167,7 +171,9 @@ class LLMEngine:
 
             if self.tokenizer is None:
                 raise ValueError("structured: grammar-constrained decoding needs a tokenizer")
-            self._structured = StructuredOutputManager(self.tokenizer, self.vocab_size)
+            self._structured = StructuredOutputManager(
+                self.tokenizer, self.vocab_size, stop_token_ids=sorted(self.eos_token_ids)
+            )
         return self._structured
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -271,7 +277,9 @@ class LLMEngine:
             parent.finish_time = time.monotonic()
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        outputs = [self._completion(parent, i, kind == RequestOutputKind.DELTA) for i in range(parent.params.n)]
+        outputs = [
+            self._completion(parent, i, kind == RequestOutputKind.DELTA) for i in range(parent.params.n)
+        ]
         first = parent.children[0]
         return RequestOutput(
             request_id=parent.request_id,
@@ -286,7 +294,10 @@ class LLMEngine:
     def _completion(self, parent: ParentRequest, i: int, delta: bool) -> CompletionOutput:
         child, detok = parent.children[i], parent.detokenizers[i]
         text = detok.text if detok is not None else ""
-        tokens, logprobs = child.output_token_ids, child.logprobs if child.sampling_params.logprobs is not None else None
+        tokens, logprobs = (
+            child.output_token_ids,
+            child.logprobs if child.sampling_params.logprobs is not None else None,
+        )
         if delta:
             text_from, tokens_from = parent.sent_text[i], parent.sent_tokens[i]
             parent.sent_text[i], parent.sent_tokens[i] = len(text), len(tokens)

@@ -86,7 +86,12 @@ class ModelRunner:
     def execute_model(self, batch: ModelInput) -> torch.Tensor:
         """Forward the batch; returns float32 logits [len(sample_indices), vocab] on CPU."""
         meta = build_attention_metadata(
-            batch.block_tables, batch.context_lens, batch.query_lens, self.block_size, self.device
+            batch.block_tables,
+            batch.context_lens,
+            batch.query_lens,
+            self.block_size,
+            self.device,
+            sliding_window=self.model.sliding_window,
         )
         input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)

@@ -56,7 +56,11 @@ class SamplingParams:
             ("n", self.n >= 1, "must be >= 1"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
             ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
-            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens, "must be <= max_tokens"),
+            (
+                "min_tokens",
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                "must be <= max_tokens",
+            ),
             ("temperature", self.temperature >= 0.0, "must be >= 0"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be -1, 0 (disabled) or a positive integer"),
@@ -66,7 +70,11 @@ class SamplingParams:
             ("repetition_penalty", self.repetition_penalty > 0.0, "must be > 0"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "must be ids"),
+            (
+                "stop_token_ids",
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "must be ids",
+            ),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -1,0 +1,1 @@
+"""torch.distributed groups, tensor-parallel layers and the expert-parallel MoE layer."""

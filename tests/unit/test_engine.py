@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine import LLM, AsyncLLM, SamplingParams
-from engine.llm_engine import LLMEngine
 from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 
 
 def random_prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
@@ -113,9 +113,8 @@ async def test_client_leaving_the_stream_aborts_the_request(llama):
 
 
 def test_priority_zero_request_is_scheduled_before_earlier_priority_one_requests(llama):
-    engine = LLMEngine(EngineConfig(model=llama, num_kv_blocks=64, max_num_seqs=2))
-    for i in range(2):  # fill the batch
-        engine.add_request(random_prompt(8, 20 + i), greedy(6), request_id=f"running{i}")
+    engine = LLMEngine(EngineConfig(model=llama, num_kv_blocks=64, max_num_seqs=1))
+    engine.add_request(random_prompt(8, 20), greedy(6), request_id="running")  # fills the batch
     engine.step()
     for i in range(3):
         engine.add_request(random_prompt(8, 30 + i), greedy(6), request_id=f"low{i}", priority=1)
@@ -149,8 +148,17 @@ def test_n_completions_are_independent_samples(llama):
 
 @pytest.mark.parametrize(
     "field, value",
-    [("temperature", -1), ("top_p", 0.0), ("top_k", -3), ("max_tokens", 0), ("n", 0), ("min_p", 2.0),
-     ("presence_penalty", 3.0), ("logprobs", -1), ("repetition_penalty", 0.0)],
+    [
+        ("temperature", -1),
+        ("top_p", 0.0),
+        ("top_k", -3),
+        ("max_tokens", 0),
+        ("n", 0),
+        ("min_p", 2.0),
+        ("presence_penalty", 3.0),
+        ("logprobs", -1),
+        ("repetition_penalty", 0.0),
+    ],
 )
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

@@ -28,12 +28,13 @@ def prompts(vocab_size: int) -> list[list[int]]:
 
 def hf_greedy(path: str, prompt_sets: list[list[int]]):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # Like the engine's ignore_eos: no EOS handling at all (min_new_tokens would instead mask EOS out).
+    model.generation_config.eos_token_id = None
     results = []
     for prompt in prompt_sets:
         gen = model.generate(
             torch.tensor([prompt]),
             max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
             do_sample=False,
             output_logits=True,
             return_dict_in_generate=True,

@@ -1,0 +1,107 @@
+"""Helpers every benchmark shares: what machine ran it, timing, and writing results (JSON + PNG)."""
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo (Linux), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    # sched_getaffinity, not cpu_count: a container or taskset may give us fewer cores than the host has.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "cpu": cpu_model(),
+        "cores": cores,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """(wall seconds, result) of one call."""
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+class OtherLoad:
+    """How much CPU other processes took while a block ran, as a fraction of all cores' time.
+
+    Other sessions' processes may share these cores without showing in `ps` (another PID namespace),
+    and on two cores they can double a step's time; so a benchmark reports this next to its numbers.
+    Measured as busy jiffies system-wide (/proc/stat) minus this process's own CPU time.
+    """
+
+    def __enter__(self) -> "OtherLoad":
+        self.fraction: float | None = None
+        self._start = (_busy_and_total_s(), time.process_time())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        (busy0, total0), own0 = self._start
+        (busy1, total1), own1 = _busy_and_total_s(), time.process_time()
+        if total1 > total0:
+            self.fraction = max(0.0, (busy1 - busy0) - (own1 - own0)) / (total1 - total0)
+
+
+def _busy_and_total_s() -> tuple[float, float]:
+    """(busy, total) CPU seconds of all cores since boot; (0, 0) where /proc/stat is missing."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except OSError:
+        return 0.0, 0.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields) - idle) / ticks, sum(fields) / ticks
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def print_table(headers: list[str], rows: list[list[str]]) -> None:
+    """A plain-text table, columns right-aligned except the first, markdown-compatible."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: list[str]) -> str:
+        pairs = enumerate(zip(cells, widths, strict=True))
+        out = [str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in pairs]
+        return "| " + " | ".join(out) + " |"
+
+    print(line(headers))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in rows:
+        print(line(row))
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend: benchmarks run on headless machines and Ray workers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
