@@ -29,3 +29,16 @@ def demo_models(tmp_path_factory):
     from cluster.demo_models import create_demo_models
 
     return create_demo_models(tmp_path_factory.mktemp("demo-models"))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray for the whole test session (starting Ray costs seconds on two cores).
+
+    Logical CPUs are oversubscribed on purpose: actors here are mostly idle between steps.
+    """
+    import ray
+
+    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
