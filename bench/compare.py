@@ -1,0 +1,238 @@
+"""`raylane bench compare`: the same sweep against two endpoints, alternated, and the ratios B/A.
+
+Run one after the other, two benchmarks on a shared machine each see different noise; alternated in
+one run (A B, then B A, ... per sweep point, so drift hits both sides alike) the noise mostly cancels
+in the ratio. Each side's records are pooled over the repeats; the ratio column divides the pooled
+numbers and the range column shows the ratio of each repeat's A/B pair, a direct read of the noise.
+
+    raylane bench compare --base-url-a http://127.0.0.1:8000/v1 --base-url-b http://127.0.0.1:8001/v1 \\
+        --model chat --dataset random --concurrency 1,8 --repeats 2 --out results/
+
+Where the endpoints come from is `endpoint_sources`: today two URLs someone started. Comparing two
+raylane configs that this command starts itself is a new `EndpointSource` whose `open()` starts
+`raylane serve` with a config, waits until it answers, yields its Endpoint and stops it on exit.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import math
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from bench.client import Endpoint, make_client
+from bench.common import print_table, write_json
+from bench.datasets import BenchRequest, DatasetUnavailable, add_dataset_arguments, requests_from_args
+from bench.metrics import RequestRecord, summarize
+from bench.serve import (
+    BenchError,
+    SweepPoint,
+    SweepSettings,
+    add_api_key_argument,
+    add_sweep_arguments,
+    client_machine,
+    json_safe,
+    measure_point,
+    settings_from_args,
+    sweep_points,
+    warm_up,
+)
+
+# (label, path into a summary, True when higher is better)
+COMPARED = (
+    ("req/s", ("request_throughput",), True),
+    ("output tok/s", ("output_throughput",), True),
+    ("TTFT mean", ("ttft", "mean"), False),
+    ("TTFT p50", ("ttft", "p50"), False),
+    ("TTFT p99", ("ttft", "p99"), False),
+    ("TPOT p50", ("tpot", "p50"), False),
+    ("TPOT p99", ("tpot", "p99"), False),
+    ("ITL p50", ("itl", "p50"), False),
+    ("E2E p50", ("e2e", "p50"), False),
+    ("E2E p99", ("e2e", "p99"), False),
+    ("goodput", ("goodput",), True),
+)
+
+
+class EndpointSource(Protocol):
+    """Something that provides an endpoint for the duration of a comparison."""
+
+    label: str
+
+    def open(self) -> contextlib.AbstractContextManager[Endpoint]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class UrlSource:
+    """An endpoint that is already running."""
+
+    label: str
+    endpoint: Endpoint
+
+    @contextlib.contextmanager
+    def open(self) -> Iterator[Endpoint]:
+        yield self.endpoint
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for side in ("a", "b"):
+        parser.add_argument(f"--base-url-{side}", required=True, help=f"endpoint {side.upper()}'s API root")
+        parser.add_argument(f"--model-{side}", help=f"endpoint {side.upper()}'s model (default --model)")
+        parser.add_argument(f"--label-{side}", default=side.upper(), help="name in the table")
+    parser.add_argument("--model", help="the `model` field for both endpoints")
+    add_api_key_argument(parser)
+    add_dataset_arguments(parser)
+    add_sweep_arguments(parser)
+    parser.add_argument("--repeats", type=int, default=2, help="A/B runs per sweep point, order alternating")
+    parser.add_argument("--out", type=Path, help="write compare.json here")
+
+
+def endpoint_sources(args: argparse.Namespace) -> tuple[EndpointSource, EndpointSource]:
+    sources = []
+    for side in ("a", "b"):
+        model = getattr(args, f"model_{side}") or args.model
+        if not model:
+            raise BenchError(f"give --model or --model-{side}")
+        label = getattr(args, f"label_{side}")
+        endpoint = Endpoint(getattr(args, f"base_url_{side}"), model, args.api_key, label)
+        sources.append(UrlSource(label, endpoint))
+    return sources[0], sources[1]
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    try:
+        sources = endpoint_sources(args)
+        requests, dataset = requests_from_args(args)
+        with contextlib.ExitStack() as stack:
+            endpoints = tuple(stack.enter_context(s.open()) for s in sources)
+            points = asyncio.run(
+                compare_sweep(endpoints, requests, sweep_points(args), settings, args.repeats, args.warmup)
+            )
+    except (BenchError, DatasetUnavailable, ValueError) as e:
+        print(f"raylane bench compare: {e}", file=sys.stderr)
+        return 1
+    a, b = endpoints
+    print(f"A = {a.label}: {a.model} @ {a.base_url}")
+    print(f"B = {b.label}: {b.model} @ {b.base_url}")
+    print(f"dataset {dataset['name']}: {dataset['num_prompts']} prompts per side and repeat")
+    print(f"prompt tokens {dataset['prompt_tokens']}")
+    for point in points:
+        print_comparison(point, a.label, b.label, args.repeats)
+    if args.out:
+        report = {
+            "benchmark": "compare",
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "endpoints": [{"label": e.label, "base_url": e.base_url, "model": e.model} for e in endpoints],
+            "dataset": dataset,
+            "repeats": args.repeats,
+            "client_machine": client_machine(),
+            "points": points,
+        }
+        write_json(args.out / "compare.json", json_safe(report))
+        print(f"\nwrote {args.out / 'compare.json'}")
+    return 0
+
+
+async def compare_sweep(
+    endpoints: tuple[Endpoint, Endpoint],
+    requests: list[BenchRequest],
+    points: list[SweepPoint],
+    settings: SweepSettings,
+    repeats: int,
+    warmup: int = 1,
+) -> list[dict[str, Any]]:
+    clients = [make_client(e, settings.options) for e in endpoints]
+    try:
+        for client, endpoint in zip(clients, endpoints, strict=True):
+            await warm_up(client, endpoint, requests[:warmup], settings)
+        return [await compare_point(clients, endpoints, requests, p, settings, repeats) for p in points]
+    finally:
+        for client in clients:
+            await client.close()
+
+
+async def compare_point(
+    clients: list,
+    endpoints: tuple[Endpoint, Endpoint],
+    requests: list[BenchRequest],
+    point: SweepPoint,
+    settings: SweepSettings,
+    repeats: int,
+) -> dict[str, Any]:
+    runs: list[list[dict[str, Any]]] = [[], []]
+    for repeat in range(repeats):
+        for side in (0, 1) if repeat % 2 == 0 else (1, 0):
+            runs[side].append(await measure_point(clients[side], endpoints[side], requests, point, settings))
+    pooled = [pool(side_runs, settings) for side_runs in runs]
+    per_repeat = [
+        {label: ratio(run_b["summary"], run_a["summary"], path) for label, path, _ in COMPARED}
+        for run_a, run_b in zip(runs[0], runs[1], strict=True)
+    ]
+    return {
+        "concurrency": point.concurrency,
+        "request_rate": point.request_rate,
+        "label": point.label,
+        "summaries": pooled,
+        "ratios": {label: ratio(pooled[1], pooled[0], path) for label, path, _ in COMPARED},
+        "ratios_per_repeat": per_repeat,
+        "runs": runs,
+    }
+
+
+def pool(runs: list[dict[str, Any]], settings: SweepSettings) -> dict[str, Any]:
+    """One summary over all repeats of a side: records pooled, wall times added."""
+    records = [RequestRecord.from_json(r) for run in runs for r in run["records"]]
+    return summarize(records, sum(run["summary"]["wall_s"] for run in runs), settings.slo)
+
+
+def lookup(summary: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    value: Any = summary
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def ratio(b: dict[str, Any], a: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    """b / a of one metric; None where either is missing, NaN or a is zero."""
+    va, vb = lookup(a, path), lookup(b, path)
+    if va is None or vb is None or math.isnan(va) or math.isnan(vb) or va == 0:
+        return None
+    return vb / va
+
+
+def print_comparison(point: dict[str, Any], label_a: str, label_b: str, repeats: int) -> None:
+    a, b = point["summaries"]
+    print(f"\n{point['label']}: {a['requests']} requests per side over {repeats} alternated repeats")
+    rows = []
+    for label, path, higher_better in COMPARED:
+        r = point["ratios"][label]
+        if r is None and lookup(a, path) is None:
+            continue
+        spread = [x[label] for x in point["ratios_per_repeat"] if x[label] is not None]
+        rows.append(
+            [
+                label,
+                fmt(lookup(a, path)),
+                fmt(lookup(b, path)),
+                "-" if r is None else f"{r:.3f}",
+                f"{min(spread):.3f}..{max(spread):.3f}" if spread else "-",
+                better(r, higher_better, label_a, label_b),
+            ]
+        )
+    rows.append(["errors", str(a["errors"]), str(b["errors"]), "", "", ""])
+    print_table(["metric (ms, /s)", label_a, label_b, "B/A", "B/A per repeat", "better"], rows)
+
+
+def better(r: float | None, higher_better: bool, label_a: str, label_b: str) -> str:
+    if r is None or r == 1:
+        return "-"
+    return label_b if (r > 1) == higher_better else label_a
+
+
+def fmt(value: float | None) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:.2f}"
