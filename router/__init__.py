@@ -1,0 +1,134 @@
+"""The router: which pool serves a request, for whom, when, and what to do when that pool can't.
+
+Plain Python (no Ray): the gateway owns one `Router` per replica and calls, per request,
+
+    principal = router.authenticate(request.headers, client=request.client.host)   # 401
+    resolution = await router.resolve_async(body.model, messages)                  # 404 unknown model
+    plan = router.plan(principal, resolution, prompt_tokens=n)                     # 429 rate limit
+    slot = await plan.next_slot()                                                  # 429 busy / 503 / 400
+    ... send to slot.pool with priority=plan.priority; on an error before the first token:
+        slot.failed(); slot = await plan.next_slot()                               # fallback
+    ... when the stream ends: slot.succeeded() (or slot.failed() / slot.abandoned())
+    response headers: plan.headers();  afterwards: router.record_usage(principal, generated_tokens)
+
+Every error raised is a `router.errors.RouterError` with `.status`, `.to_openai()` and `.headers()`.
+"""
+
+import asyncio
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from cluster.router_config import AUTO_MODELS, ApiKeysConfig, RouterConfig, TierConfig
+from router.admission import AdmissionController, PoolLoad
+from router.classifier import RouteDecision, SemanticClassifier
+from router.dispatch import DispatchPlan, Slot
+from router.errors import RouterError
+from router.fallback import CircuitBreaker, CircuitState, FallbackChain, FallbackReason
+from router.rate_limit import RateLimiter
+from router.resolve import ModelResolver, PoolSpec, Resolution
+from router.tiers import ApiKeyAuthenticator, Principal
+
+__all__ = [
+    "FallbackReason",
+    "PoolSpec",
+    "Principal",
+    "Resolution",
+    "RouteDecision",
+    "Router",
+    "RouterError",
+    "Slot",
+    "DispatchPlan",
+]
+
+
+class Router:
+    def __init__(
+        self,
+        config: RouterConfig,
+        tiers: Sequence[TierConfig],
+        api_keys: ApiKeysConfig,
+        pools: Sequence[PoolSpec],
+        *,
+        classifier: SemanticClassifier | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        environ: Mapping[str, str] = os.environ,
+    ):
+        """Validates the config against `pools` (ValueError naming the field) and loads the
+        classifier (seconds; pass one to share it). `clock` drives rate limits, waits and breakers."""
+        self.config = config
+        self.pools = {p.name: p for p in pools}
+        config.check_pools(list(self.pools))
+        self.classifier = classifier if classifier is not None else SemanticClassifier(config)
+        self.authenticator = ApiKeyAuthenticator(api_keys, list(tiers), environ=environ, clock=clock)
+        self.rate_limiter = RateLimiter(clock)
+        self.admission = AdmissionController(clock)
+        self.breakers: dict[str, CircuitBreaker] = {}
+        self._healthy: dict[str, bool] = {}
+        breaker = config.circuit_breaker
+        for pool in pools:
+            self.admission.add_pool(
+                pool.name,
+                capacity=pool.max_in_flight or config.default_max_in_flight,
+                max_waiting=config.default_max_waiting if pool.max_waiting is None else pool.max_waiting,
+            )
+            self.breakers[pool.name] = CircuitBreaker(breaker.failure_threshold, breaker.cooldown_s, clock)
+            self._healthy[pool.name] = True
+        self.resolver = ModelResolver(config, pools, self.classifier.classify)
+
+    @property
+    def open_mode(self) -> bool:
+        return self.authenticator.open_mode
+
+    def authenticate(self, headers: Mapping[str, str], client: str | None = None) -> Principal:
+        """The caller's tier from its API key; AuthenticationError (401) when keys are required."""
+        return self.authenticator.authenticate(headers, client)
+
+    def resolve(self, model: str, messages: list[dict]) -> Resolution:
+        """Route and candidate pools for `model` (pool name, served model id, `auto`/`raylane-auto`).
+        Classifying takes milliseconds of CPU: from async code prefer `resolve_async`."""
+        return self.resolver.resolve(model, messages)
+
+    async def resolve_async(self, model: str, messages: list[dict]) -> Resolution:
+        if model in AUTO_MODELS:  # the classifier's forward pass runs off the event loop
+            return await asyncio.to_thread(self.resolve, model, messages)
+        return self.resolve(model, messages)
+
+    def plan(
+        self, principal: Principal, resolution: Resolution, *, prompt_tokens: int | None = None
+    ) -> DispatchPlan:
+        """Charge the rate limit (RateLimitError, 429) and prepare the walk down the candidate pools."""
+        self.rate_limiter.check(principal.key_id, principal.tier, prompt_tokens or 0)
+        chain = FallbackChain(
+            resolution.pools,
+            self.breakers,
+            is_healthy=lambda pool: self._healthy[pool],
+            fits=lambda pool: _fits(self.pools[pool], prompt_tokens),
+        )
+        deadline = self.admission.clock() + principal.tier.max_queue_wait_s
+        return DispatchPlan(resolution, principal, chain, self.admission, self.breakers, deadline)
+
+    def record_usage(self, principal: Principal, generated_tokens: int) -> None:
+        """Count generated tokens against the key's tokens/min once the response is done."""
+        self.rate_limiter.charge_tokens(principal.key_id, principal.tier, generated_tokens)
+
+    def set_pool_healthy(self, pool: str, healthy: bool) -> None:
+        """From the gateway's view of the pool's replicas: False = no healthy replica, skip it."""
+        self._healthy[pool] = healthy
+
+    def set_pool_capacity(self, pool: str, max_in_flight: int) -> None:
+        self.admission.set_capacity(pool, max_in_flight)
+
+    def pool_load(self, pool: str) -> PoolLoad:
+        return self.admission.load(pool)
+
+    def circuit_state(self, pool: str) -> CircuitState:
+        return self.breakers[pool].state
+
+    def model_names(self) -> list[str]:
+        return self.resolver.model_names()
+
+
+def _fits(pool: PoolSpec, prompt_tokens: int | None) -> bool:
+    """A prompt fits when at least one token can still be generated after it."""
+    return prompt_tokens is None or pool.max_context_len is None or prompt_tokens < pool.max_context_len

@@ -1,0 +1,192 @@
+"""Admission in front of each pool: bounded in-flight slots, and a bounded priority queue for the rest.
+
+A pool takes up to `capacity` requests at once from the gateway. When it is full, requests wait
+and get the next free slot in (priority, arrival) order: lower priority numbers first, FIFO
+within one. Waiting is bounded three ways, each answered with OverloadedError (429, Retry-After):
+- a tier may have at most `max_queue_depth` requests waiting for one pool;
+- a request waits at most its tier's `max_queue_wait_s` (and is turned away at once when the
+  queue ahead of it, at the pool's recent service time, already needs longer);
+- a pool holds at most `max_waiting` waiters in all; when that is full, an arrival takes the place
+  of the newest waiter of a lower-priority sheddable tier, or is turned away.
+So overload never grows memory: at most sum(max_waiting) requests wait anywhere.
+"""
+
+import asyncio
+import heapq
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cluster.router_config import TierConfig
+from router.errors import OverloadedError
+
+SERVICE_TIME_SMOOTHING = 0.2  # weight of the newest request in the pool's mean service time
+
+
+@dataclass(slots=True, order=True)
+class _Waiter:
+    priority: int
+    seq: int
+    tier: TierConfig = field(compare=False)
+    future: asyncio.Future = field(compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLoad:
+    in_flight: int
+    waiting: int
+    capacity: int
+
+
+@dataclass(slots=True)
+class _Pool:
+    capacity: int
+    max_waiting: int
+    in_flight: int = 0
+    waiters: list[_Waiter] = field(default_factory=list)  # a heap
+    service_s: float | None = None  # smoothed time a request holds a slot
+
+
+class Ticket:
+    """A held slot in a pool; `release()` frees it (idempotent)."""
+
+    def __init__(self, controller: "AdmissionController", pool: str, tier: TierConfig, waited_s: float):
+        self.pool, self.tier, self.waited_s = pool, tier, waited_s
+        self._controller = controller
+        self._granted_at = controller.clock()
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._controller._release(self.pool, self._controller.clock() - self._granted_at)
+
+
+class AdmissionController:
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self._pools: dict[str, _Pool] = {}
+        self._seq = itertools.count()
+
+    def add_pool(self, pool: str, capacity: int, max_waiting: int) -> None:
+        self._pools[pool] = _Pool(capacity=capacity, max_waiting=max_waiting)
+
+    def set_capacity(self, pool: str, capacity: int) -> None:
+        """Change how many requests the pool takes at once (e.g. when replicas scale); dispatches waiters."""
+        self._pools[pool].capacity = capacity
+        self._dispatch(self._pools[pool])
+
+    def load(self, pool: str) -> PoolLoad:
+        p = self._pools[pool]
+        return PoolLoad(p.in_flight, len(p.waiters), p.capacity)
+
+    def try_acquire(self, pool: str, tier: TierConfig) -> Ticket | None:
+        """A slot now if one is free (nobody waits then), else None."""
+        p = self._pools[pool]
+        if p.in_flight < p.capacity and not p.waiters:
+            p.in_flight += 1
+            return Ticket(self, pool, tier, 0.0)
+        return None
+
+    async def acquire(self, pool: str, tier: TierConfig, timeout: float | None = None) -> Ticket:
+        """A slot in `pool`, waiting in (priority, arrival) order for at most the tier's wait budget
+        (or `timeout`, if shorter). Raises OverloadedError with retry_after when it cannot."""
+        ticket = self.try_acquire(pool, tier)
+        if ticket is not None:
+            return ticket
+        p = self._pools[pool]
+        budget = tier.max_queue_wait_s if timeout is None else min(timeout, tier.max_queue_wait_s)
+        self._check_can_wait(pool, p, tier, budget)
+        waiter = _Waiter(tier.priority, next(self._seq), tier, asyncio.get_running_loop().create_future())
+        heapq.heappush(p.waiters, waiter)
+        start = self.clock()
+        try:
+            await asyncio.wait_for(waiter.future, timeout=budget)
+        except TimeoutError:
+            self._forget(p, waiter)
+            raise OverloadedError(
+                f"pool {pool!r} had no free slot within {budget:g}s (tier {tier.name!r})",
+                retry_after=self.estimated_wait(pool, tier),
+                reason="wait_budget",
+            ) from None
+        except asyncio.CancelledError:
+            if _granted(waiter.future):  # the slot came as the caller went away: give it back
+                self._release(pool, 0.0, learn=False)
+            self._forget(p, waiter)
+            raise
+        return Ticket(self, pool, tier, self.clock() - start)
+
+    def estimated_wait(self, pool: str, tier: TierConfig) -> float:
+        """Seconds a new request of `tier` would wait for `pool`, from the queue ahead of it."""
+        p = self._pools[pool]
+        if p.in_flight < p.capacity and not p.waiters:
+            return 0.0
+        ahead = sum(1 for w in p.waiters if w.priority <= tier.priority)
+        rounds = ahead // max(p.capacity, 1) + 1  # slots free up `capacity` at a time
+        return rounds * (p.service_s or 1.0)
+
+    def _check_can_wait(self, pool: str, p: _Pool, tier: TierConfig, budget: float) -> None:
+        same_tier = sum(1 for w in p.waiters if w.tier.name == tier.name)
+        if same_tier >= tier.max_queue_depth:
+            raise OverloadedError(
+                f"pool {pool!r} is busy and tier {tier.name!r} already has {same_tier} requests waiting",
+                retry_after=self.estimated_wait(pool, tier),
+                reason="queue_depth",
+            )
+        if p.service_s is not None and self.estimated_wait(pool, tier) > budget:
+            raise OverloadedError(
+                f"pool {pool!r} is busy: the wait would exceed tier {tier.name!r}'s {budget:g}s",
+                retry_after=self.estimated_wait(pool, tier),
+                reason="wait_budget",
+            )
+        if len(p.waiters) >= p.max_waiting and not self._shed_for(pool, p, tier):
+            raise OverloadedError(
+                f"pool {pool!r} is busy and its queue is full",
+                retry_after=self.estimated_wait(pool, tier),
+                reason="queue_full",
+            )
+
+    def _shed_for(self, pool: str, p: _Pool, tier: TierConfig) -> bool:
+        """Drop the newest waiter of the lowest-priority sheddable tier below `tier`; False if none."""
+        victims = [w for w in p.waiters if w.tier.sheddable and w.priority > tier.priority]
+        if not victims:
+            return False
+        victim = max(victims, key=lambda w: (w.priority, w.seq))
+        self._forget(p, victim)
+        victim.future.set_exception(
+            OverloadedError(
+                f"pool {pool!r} is busy: request shed for higher-priority traffic",
+                retry_after=self.estimated_wait(pool, victim.tier),
+                reason="shed",
+            )
+        )
+        return True
+
+    def _release(self, pool: str, held_s: float, learn: bool = True) -> None:
+        p = self._pools[pool]
+        p.in_flight -= 1
+        if learn:
+            p.service_s = (
+                held_s
+                if p.service_s is None
+                else p.service_s + SERVICE_TIME_SMOOTHING * (held_s - p.service_s)
+            )
+        self._dispatch(p)
+
+    def _dispatch(self, p: _Pool) -> None:
+        while p.waiters and p.in_flight < p.capacity:
+            waiter = heapq.heappop(p.waiters)
+            if not waiter.future.done():  # done = timed out or cancelled, being cleaned up by its task
+                p.in_flight += 1
+                waiter.future.set_result(None)
+
+    @staticmethod
+    def _forget(p: _Pool, waiter: _Waiter) -> None:
+        if waiter in p.waiters:
+            p.waiters.remove(waiter)
+            heapq.heapify(p.waiters)
+
+
+def _granted(future: asyncio.Future) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None

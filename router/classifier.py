@@ -1,0 +1,192 @@
+"""The semantic classifier: which route a conversation belongs to, and how sure it is.
+
+Method: a softmax regression on MiniLM embeddings (router.encoder), trained at start-up on the
+labelled prompts (router/dataset/train.tsv plus each route's `examples`) and on turns that only
+make sense in their conversation (router/dataset/followups.txt, an internal `followup` class).
+The latest user turn's route scores count in proportion to how self-contained it is; the rest
+comes from its context, the system prompt and earlier user turns, each weighted by the config and
+by how self-contained it is itself. Confidence is the winning route's probability; below
+`confidence_threshold` the default route is taken. Keyword and regex rules, checked first on
+the latest user turn, decide outright when exactly one route's rules match.
+"""
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cluster.router_config import BUILTIN_DATASET, FOLLOWUP_LABEL, RouterConfig
+from router.dataset import FOLLOWUPS_PATH, TRAIN_PATH, read_labelled, read_lines
+from router.encoder import SentenceEncoder
+from router.softmax import SoftmaxRegression
+
+MIN_CONTEXT_SHARE = 0.02  # below this, a turn's context is not even embedded: it could not change much
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    route: str
+    pool: str | None
+    confidence: float  # probability of the best route (1.0 for a rule match)
+    method: str  # "semantic", "rule" or "default" (unsure, or nothing to read)
+    # Probability of every route; less than 1 in all when a vague turn has no context to settle it.
+    scores: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """The parts of a chat the classifier reads."""
+
+    latest_user: str
+    system: str = ""
+    earlier_user: tuple[str, ...] = ()  # newest first
+
+
+def message_text(content: Any) -> str:
+    """Text of an OpenAI message `content`: a string or a list of parts (text parts kept)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        return "\n".join(parts)
+    return ""
+
+
+def split_conversation(messages: list[dict]) -> Conversation:
+    system = [message_text(m.get("content")) for m in messages if m.get("role") in ("system", "developer")]
+    users = [message_text(m.get("content")) for m in messages if m.get("role") == "user"]
+    users = [u for u in users if u.strip()]
+    if not users:  # a prompt of only a system message (or a completion prompt passed as one)
+        return Conversation(latest_user="\n".join(s for s in system if s.strip()))
+    return Conversation(users[-1], "\n".join(s for s in system if s.strip()), tuple(reversed(users[:-1])))
+
+
+class SemanticClassifier:
+    def __init__(self, config: RouterConfig, encoder: SentenceEncoder | None = None):
+        self.config = config
+        self.routes = [r.name for r in config.routes]
+        self._pools = {r.name: r.pool for r in config.routes}
+        self._rules = {r.name: _compile_rules(r.keywords, r.regex) for r in config.routes}
+        self.encoder = encoder or SentenceEncoder(config.max_tokens, config.quantize)
+        texts, labels = self._training_set()
+        vectors = training_embeddings(self.encoder, texts)
+        self.head = SoftmaxRegression.fit(vectors, labels, num_classes=len(self.routes) + 1)
+        self.num_examples = len(texts)
+
+    def classify(self, messages: list[dict]) -> RouteDecision:
+        """Decide the route of an OpenAI `messages` list."""
+        return self.classify_conversation(split_conversation(messages))
+
+    def classify_text(self, text: str) -> RouteDecision:
+        """Decide the route of a bare prompt (a completion request, or one user turn)."""
+        return self.classify_conversation(Conversation(latest_user=text))
+
+    def classify_conversation(self, conversation: Conversation) -> RouteDecision:
+        if not conversation.latest_user.strip():
+            return self._decision(self.config.default_route, 0.0, "default", {})
+        ruled = self._rule_match(conversation.latest_user)
+        if ruled is not None:
+            return self._decision(ruled, 1.0, "rule", {ruled: 1.0})
+        scores = self._route_probabilities(conversation)
+        best = max(scores, key=scores.__getitem__)
+        if scores[best] < self.config.confidence_threshold:
+            return self._decision(self.config.default_route, scores[best], "default", scores)
+        return self._decision(best, scores[best], "semantic", scores)
+
+    def _route_probabilities(self, conversation: Conversation) -> dict[str, float]:
+        """Route -> probability. Without context, a vague latest turn keeps its `followup` share out,
+        so its routes' probabilities stay low (and the default route takes it)."""
+        latest = self.head.logits(self.encoder.encode([conversation.latest_user]))[0]
+        self_contained = 1.0 - _softmax(latest)[-1]
+        context = self._context_logits(conversation) if self_contained < 1.0 - MIN_CONTEXT_SHARE else None
+        if context is None:
+            probs = _softmax(latest)[:-1]
+        else:
+            probs = _softmax(self_contained * latest[:-1] + (1.0 - self_contained) * context)
+        return {route: float(p) for route, p in zip(self.routes, probs, strict=True)}
+
+    def _context_logits(self, conversation: Conversation) -> np.ndarray | None:
+        """Weighted mean route logits of the system prompt and earlier user turns, or None if none."""
+        w = self.config.weights
+        parts = [(conversation.system, w.system)] if conversation.system.strip() else []
+        for age, text in enumerate(conversation.earlier_user[: w.max_earlier_turns]):
+            parts.append((text, w.earlier_user * w.decay**age))
+        parts = [(text, weight) for text, weight in parts if weight > 0]
+        if not parts:
+            return None
+        logits = self.head.logits(self.encoder.encode([text for text, _ in parts]))
+        # A part that is itself a follow-up ("thanks!") says little about the route.
+        weights = np.asarray([weight for _, weight in parts]) * (1.0 - _softmax(logits)[:, -1])
+        if weights.sum() <= 1e-6:
+            return None
+        return weights @ logits[:, :-1] / weights.sum()
+
+    def _rule_match(self, text: str) -> str | None:
+        matched = [route for route, rules in self._rules.items() if any(r.search(text) for r in rules)]
+        return matched[0] if len(matched) == 1 else None
+
+    def _decision(self, route: str, confidence: float, method: str, scores: dict) -> RouteDecision:
+        return RouteDecision(route, self._pools[route], confidence, method, scores)
+
+    def _training_set(self) -> tuple[list[str], np.ndarray]:
+        """Texts and class indices: the routes in config order, then the `followup` class."""
+        labels = [*self.routes, FOLLOWUP_LABEL]
+        rows: list[tuple[str, str]] = [(FOLLOWUP_LABEL, text) for text in read_lines(FOLLOWUPS_PATH)]
+        if self.config.dataset is not None:
+            path = TRAIN_PATH if self.config.dataset == BUILTIN_DATASET else self.config.dataset
+            rows += [(label, text) for label, text in read_labelled(path) if label in labels]
+        rows += [(r.name, text) for r in self.config.routes for text in r.examples]
+        counts = {route: sum(1 for label, _ in rows if label == route) for route in self.routes}
+        empty = [route for route, n in counts.items() if n == 0]
+        if empty:
+            raise ValueError(
+                f"router.routes: {empty} have no examples; give them `examples` or rows in `router.dataset`"
+            )
+        index = {label: i for i, label in enumerate(labels)}
+        return [text for _, text in rows], np.asarray([index[label] for label, _ in rows])
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    z = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return z / z.sum(axis=-1, keepdims=True)
+
+
+def _compile_rules(keywords: list[str], patterns: list[str]) -> list[re.Pattern]:
+    rules = [re.compile(rf"(?<!\w){re.escape(k)}(?!\w)", re.IGNORECASE) for k in keywords]
+    return rules + [re.compile(p, re.MULTILINE) for p in patterns]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RAYLANE_CACHE_DIR", "~/.cache/raylane")).expanduser() / "router"
+
+
+def training_embeddings(encoder: SentenceEncoder, texts: list[str]) -> np.ndarray:
+    """Embeddings of the training prompts, from a file cache when this exact set was embedded before.
+
+    Embedding ~600 prompts costs seconds, once per replica start; the cache key covers the texts and
+    the encoder's fingerprint (model, torch version, settings, preprocessing), so any change re-embeds.
+    """
+    key = hashlib.sha256()
+    for part in (encoder.fingerprint, *texts):
+        key.update(part.encode() + b"\0")
+    path = cache_dir() / f"train-{key.hexdigest()[:24]}.npy"
+    try:
+        cached = np.load(path)
+        if cached.shape == (len(texts), encoder.dim):
+            encoder.remember(texts, cached)  # a second classifier on this encoder embeds only new texts
+            return cached
+    except (OSError, ValueError):
+        pass
+    vectors = encoder.encode(texts)
+    try:  # best effort: a read-only file system just means embedding again next start
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp.npy")
+        np.save(tmp, vectors)
+        tmp.replace(path)
+    except OSError:
+        pass
+    return vectors

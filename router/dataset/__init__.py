@@ -1,0 +1,39 @@
+"""The project's labelled routing prompts: `train.tsv` (learned at start-up) and `eval.tsv` (held out).
+
+Format, one prompt a line: `route<TAB>text`. In `text`, `\\n` is a newline, `\\t` a tab and `\\\\`
+a backslash; any other backslash is literal (so a pasted regex like `\\d+` reads as written).
+README.md beside this file says how the prompts were written and where each route's edge lies.
+"""
+
+import re
+from pathlib import Path
+
+DATASET_DIR = Path(__file__).resolve().parent
+TRAIN_PATH = DATASET_DIR / "train.tsv"
+EVAL_PATH = DATASET_DIR / "eval.tsv"
+FOLLOWUPS_PATH = DATASET_DIR / "followups.txt"  # turns that need their conversation (no route)
+
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
+def unescape(text: str) -> str:
+    return re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m.group(1)], text)
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """Non-blank lines that are not `#` comments, unescaped."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    return [unescape(line.strip()) for line in lines if line.strip() and not line.startswith("#")]
+
+
+def read_labelled(path: str | Path) -> list[tuple[str, str]]:
+    """[(route, text)] from a TSV file; blank lines and lines starting with `#` are skipped."""
+    rows = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        label, sep, text = line.partition("\t")
+        if not sep or not label.strip() or not text.strip():
+            raise ValueError(f"{path}:{number}: expected `route<TAB>text`, got {line[:60]!r}")
+        rows.append((label.strip(), unescape(text)))
+    return rows

@@ -1,0 +1,71 @@
+"""Which pools a request's `model` means: a pool by name or served model id, or `auto` -> the classifier."""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from cluster.router_config import AUTO_MODELS, RouterConfig
+from router.classifier import RouteDecision
+from router.errors import UnknownModelError
+
+DIRECT_ROUTE = "direct"  # route reported for a named pool that no route starts from
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """What the router needs to know of one pool; the gateway builds these from its pool config."""
+
+    name: str
+    model_id: str | None = None  # the served model id clients may name (OpenAI `model`)
+    max_context_len: int | None = None  # prompt tokens it accepts; None = no limit known
+    max_in_flight: int | None = None  # requests the gateway sends at once; None = RouterConfig default
+    max_waiting: int | None = None  # requests that may queue for it; None = RouterConfig default
+
+
+@dataclass(frozen=True, slots=True)
+class Resolution:
+    model: str  # as the client asked
+    route: str
+    pools: tuple[str, ...]  # candidates, in order: the route's pool, then its fallbacks
+    decision: RouteDecision | None = None  # set when the classifier chose
+
+
+class ModelResolver:
+    def __init__(
+        self,
+        config: RouterConfig,
+        pools: Sequence[PoolSpec],
+        classify: Callable[[list[dict]], RouteDecision] | None = None,
+    ):
+        """`classify(messages)` decides `auto` requests; without it, `auto` is an unknown model."""
+        self._config, self._classify = config, classify
+        self._by_name: dict[str, str] = {}
+        for pool in pools:
+            self._by_name[pool.name] = pool.name
+            if pool.model_id:
+                self._by_name.setdefault(pool.model_id, pool.name)
+        self._route_of_pool = {}
+        for route in config.routes:
+            self._route_of_pool.setdefault(route.pool, route)
+
+    def resolve(self, model: str, messages: list[dict]) -> Resolution:
+        if model in AUTO_MODELS and self._classify is not None:
+            decision = self._classify(messages)
+            route = self._config.route(decision.route)
+            return Resolution(model, route.name, (route.pool, *route.fallbacks), decision)
+        pool = self._by_name.get(model)
+        if pool is None:
+            raise UnknownModelError(self._unknown_message(model), param="model")
+        route = self._route_of_pool.get(pool)
+        if route is None:
+            return Resolution(model, DIRECT_ROUTE, (pool,))
+        fallbacks = tuple(route.fallbacks) if self._config.fallback_for_named_models else ()
+        return Resolution(model, route.name, (pool, *fallbacks))
+
+    def model_names(self) -> list[str]:
+        """Every `model` value this router accepts, for /v1/models and error messages."""
+        auto = list(AUTO_MODELS) if self._classify is not None else []
+        return auto + list(self._by_name)
+
+    def _unknown_message(self, model: str) -> str:
+        choices = ", ".join(repr(m) for m in self.model_names())
+        return f"The model {model!r} does not exist here. Use one of: {choices}."

@@ -1,0 +1,134 @@
+"""Admission in front of a pool: a full pool serves waiters by (priority, arrival); queues are bounded."""
+
+import asyncio
+
+import pytest
+
+from cluster.router_config import TierConfig
+from router.admission import AdmissionController
+from router.errors import OverloadedError
+
+PREMIUM = TierConfig(name="premium", priority=0, max_queue_depth=8, max_queue_wait_s=5)
+STANDARD = TierConfig(name="standard", priority=1, max_queue_depth=8, max_queue_wait_s=5)
+FREE = TierConfig(name="free", priority=2, max_queue_depth=8, max_queue_wait_s=5, sheddable=True)
+
+
+def controller(capacity: int = 1, max_waiting: int = 16) -> AdmissionController:
+    admission = AdmissionController()
+    admission.add_pool("coding", capacity=capacity, max_waiting=max_waiting)
+    return admission
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_full_pool_dispatches_by_priority_then_arrival():
+    admission = controller(capacity=1)
+    holder = await admission.acquire("coding", STANDARD)
+    served: list[str] = []
+
+    async def request(name: str, tier: TierConfig) -> None:
+        ticket = await admission.acquire("coding", tier)
+        served.append(name)
+        await asyncio.sleep(0)
+        ticket.release()
+
+    arrivals = [("free-1", FREE), ("std-1", STANDARD), ("premium-1", PREMIUM), ("std-2", STANDARD)]
+    tasks = []
+    for name, tier in arrivals:
+        tasks.append(asyncio.create_task(request(name, tier)))
+        await settle()  # arrive in this order
+    assert admission.load("coding").waiting == 4
+    holder.release()
+    await asyncio.gather(*tasks)
+    assert served == ["premium-1", "std-1", "std-2", "free-1"]
+    assert admission.load("coding").in_flight == 0
+
+
+async def test_tier_queue_depth_is_bounded_with_retry_after():
+    admission = controller(capacity=1)
+    shallow = TierConfig(name="free", priority=2, max_queue_depth=1, max_queue_wait_s=5)
+    holder = await admission.acquire("coding", PREMIUM)
+    waiting = asyncio.create_task(admission.acquire("coding", shallow))
+    await settle()
+    with pytest.raises(OverloadedError) as excinfo:
+        await admission.acquire("coding", shallow)
+    assert excinfo.value.status == 429 and excinfo.value.reason == "queue_depth"
+    assert int(excinfo.value.headers()["retry-after"]) >= 1
+    holder.release()
+    (await waiting).release()
+
+
+async def test_wait_budget_runs_out_with_429():
+    admission = controller(capacity=1)
+    impatient = TierConfig(name="free", priority=2, max_queue_wait_s=0.05)
+    holder = await admission.acquire("coding", PREMIUM)
+    with pytest.raises(OverloadedError) as excinfo:
+        await admission.acquire("coding", impatient)
+    assert excinfo.value.reason == "wait_budget" and excinfo.value.retry_after > 0
+    assert admission.load("coding").waiting == 0  # the timed-out waiter left no trace
+    holder.release()
+
+
+async def test_known_slow_pool_turns_away_at_once_what_would_wait_too_long():
+    now = [0.0]
+    admission = AdmissionController(clock=lambda: now[0])
+    admission.add_pool("coding", capacity=1, max_waiting=16)
+    first = await admission.acquire("coding", PREMIUM)
+    now[0] = 20.0
+    first.release()  # the pool now takes ~20 s per request
+    holder = await admission.acquire("coding", PREMIUM)
+    with pytest.raises(OverloadedError) as excinfo:
+        await admission.acquire("coding", STANDARD)  # may wait 5 s
+    assert excinfo.value.reason == "wait_budget" and excinfo.value.retry_after >= 20
+    holder.release()
+
+
+async def test_full_queue_sheds_lower_priority_sheddable_waiter_for_premium():
+    admission = controller(capacity=1, max_waiting=2)
+    holder = await admission.acquire("coding", STANDARD)
+    free_1 = asyncio.create_task(admission.acquire("coding", FREE))
+    await settle()
+    free_2 = asyncio.create_task(admission.acquire("coding", FREE))
+    await settle()
+    with pytest.raises(OverloadedError) as excinfo:
+        await admission.acquire("coding", FREE)  # no one below free to shed
+    assert excinfo.value.reason == "queue_full"
+    premium = asyncio.create_task(admission.acquire("coding", PREMIUM))
+    await settle()
+    with pytest.raises(OverloadedError) as excinfo:
+        await free_2  # the newest free waiter made room
+    assert excinfo.value.reason == "shed"
+    assert admission.load("coding").waiting == 2
+    holder.release()
+    (await premium).release()
+    (await free_1).release()
+
+
+async def test_cancelled_waiter_frees_its_place_and_slot():
+    admission = controller(capacity=1)
+    holder = await admission.acquire("coding", STANDARD)
+    waiter = asyncio.create_task(admission.acquire("coding", STANDARD))
+    await settle()
+    waiter.cancel()  # the client disconnected while queued
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert admission.load("coding").waiting == 0
+    holder.release()
+    holder.release()  # idempotent
+    assert admission.load("coding").in_flight == 0
+    (await admission.acquire("coding", STANDARD)).release()
+
+
+async def test_raising_capacity_admits_waiters():
+    admission = controller(capacity=1)
+    holder = await admission.acquire("coding", STANDARD)
+    waiter = asyncio.create_task(admission.acquire("coding", STANDARD))
+    await settle()
+    admission.set_capacity("coding", 2)
+    ticket = await asyncio.wait_for(waiter, 1)
+    assert admission.load("coding").in_flight == 2
+    ticket.release()
+    holder.release()

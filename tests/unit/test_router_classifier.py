@@ -1,0 +1,197 @@
+"""The semantic classifier as a user of `model: "auto"` sees it, and `raylane route`."""
+
+import json
+
+import pytest
+
+from cluster.router_config import RouterConfig
+from router.classifier import SemanticClassifier
+from router.dataset import EVAL_PATH, FOLLOWUPS_PATH, TRAIN_PATH, read_labelled, read_lines
+from router.evaluate import evaluate, humaneval_examples
+
+SYSTEM = {
+    "coding": "You are a senior software engineer who reviews Python code and fixes bugs.",
+    "reasoning": "You are a patient math tutor who helps students solve algebra and probability problems.",
+    "chat": "You are a friendly travel and lifestyle companion.",
+}
+# Vague turns that are not in followups.txt: held out, like eval.tsv.
+VAGUE = [
+    "Could you give me a nudge in the right direction?",
+    "Is there a quicker way?",
+    "Hmm, is that really right?",
+]
+
+
+@pytest.fixture(scope="module")
+def classifier():
+    """One classifier for the module, on one torch thread as in a gateway replica: on shared cores, a
+    second thread spin-waits on the first and makes each 128-token forward pass many times slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield SemanticClassifier(RouterConfig())
+    finally:
+        torch.set_num_threads(threads)
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def test_dataset_is_big_varied_and_held_out():
+    train, held_out = read_labelled(TRAIN_PATH), read_labelled(EVAL_PATH)
+    assert len(train) + len(held_out) >= 300
+    for split in (train, held_out):
+        assert {label for label, _ in split} == {"coding", "reasoning", "chat"}
+    assert not {text for _, text in train} & {text for _, text in held_out}
+    assert not set(VAGUE) & set(read_lines(FOLLOWUPS_PATH))
+    lengths = sorted(len(text) for _, text in train + held_out)
+    assert lengths[0] < 30 and lengths[-1] > 400  # one-liners and pasted code alike
+
+
+def test_accuracy_on_held_out_split_is_at_least_95_percent(classifier):
+    report = evaluate(classifier, read_labelled(EVAL_PATH))
+    assert report.accuracy >= 0.95, "\n".join(report.lines())
+    for route in ("coding", "reasoning", "chat"):
+        assert report.route_accuracy(route) >= 0.9, "\n".join(report.lines())
+
+
+def test_every_humaneval_prompt_routes_to_coding(classifier):
+    report = evaluate(classifier, humaneval_examples())
+    assert report.total == 164
+    assert report.correct == 164, report.mistakes
+
+
+def test_humaneval_routes_to_coding_without_the_regex_rules(classifier):
+    """The embeddings alone recognise a function stub, not just the `def` regex."""
+    no_rules = RouterConfig(routes=[r.model_copy(update={"regex": []}) for r in RouterConfig().routes])
+    report = evaluate(SemanticClassifier(no_rules, encoder=classifier.encoder), humaneval_examples())
+    assert report.accuracy >= 0.97, report.mistakes
+
+
+def test_latest_user_turn_outweighs_the_history(classifier):
+    cooking = [
+        user("What's a good recipe for mushroom risotto?"),
+        {"role": "assistant", "content": "Soften an onion in butter, toast the rice, add stock slowly..."},
+        user("Can I use white wine instead of some of the broth?"),
+        {"role": "assistant", "content": "Yes, a glass of dry white wine works well."},
+    ]
+    request = user("Now write a python function that scales a recipe's ingredient quantities by a factor.")
+    assert classifier.classify([*cooking, request]).route == "coding"
+    coding = [user("Write a Rust function that parses one CSV line."), {"role": "assistant", "content": "fn"}]
+    dinner = user("Unrelated: what should I cook for dinner tonight?")
+    assert classifier.classify([*coding, dinner]).route == "chat"
+
+
+@pytest.mark.parametrize("route", ["coding", "reasoning", "chat"])
+def test_system_prompt_settles_a_vague_turn(classifier, route):
+    for text in VAGUE:
+        decision = classifier.classify([{"role": "system", "content": SYSTEM[route]}, user(text)])
+        assert (decision.route, decision.method) == (route, "semantic"), text
+
+
+def test_earlier_turns_settle_a_vague_follow_up(classifier):
+    for first, route in [
+        ("Solve 3x + 5 = 20 and show the steps.", "reasoning"),
+        ("My flask app returns 500 on every POST request.", "coding"),
+        ("I want to visit Norway in the summer.", "chat"),
+    ]:
+        history = [user(first), {"role": "assistant", "content": "..."}]
+        assert classifier.classify([*history, user("Is there a quicker way?")]).route == route, first
+
+
+def test_system_prompt_does_not_overrule_a_clear_request(classifier):
+    proof = user("Prove that the square root of 3 is irrational.")
+    assert classifier.classify([{"role": "system", "content": SYSTEM["chat"]}, proof]).route == "reasoning"
+    generic = {"role": "system", "content": "You are a helpful assistant."}
+    bash = user("write a bash loop that renames *.jpeg to *.jpg")
+    assert classifier.classify([generic, bash]).route == "coding"
+
+
+def test_vague_turn_alone_falls_back_to_the_default_route(classifier):
+    decision = classifier.classify([user(VAGUE[0])])
+    assert decision.route == "chat" and decision.method == "default"
+    assert decision.confidence < RouterConfig().confidence_threshold
+
+
+def test_confidence_below_threshold_takes_the_default_route(classifier):
+    config = RouterConfig(default_route="reasoning", confidence_threshold=1.0)
+    strict = SemanticClassifier(config, encoder=classifier.encoder)
+    decision = strict.classify([user("Tell me about the history of tea in China.")])
+    assert (decision.route, decision.pool, decision.method) == ("reasoning", "reasoning", "default")
+    assert decision.scores["chat"] == decision.confidence == max(decision.scores.values())
+
+
+def test_decision_names_route_pool_and_confidence(classifier):
+    decision = classifier.classify([user("What is the probability of two heads in three coin flips?")])
+    assert (decision.route, decision.pool, decision.method) == ("reasoning", "reasoning", "semantic")
+    assert 0.5 < decision.confidence <= 1.0
+    assert set(decision.scores) == {"coding", "reasoning", "chat"}
+
+
+def test_regex_rule_decides_pasted_code(classifier):
+    decision = classifier.classify([user("what's wrong here?\n```\nfor i in range(10) print(i)\n```")])
+    assert (decision.route, decision.method, decision.confidence) == ("coding", "rule", 1.0)
+
+
+def test_content_parts_and_empty_messages(classifier):
+    parts = [
+        {"type": "text", "text": "Integrate x^2 sin(x) dx"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/x.png"}},
+    ]
+    assert classifier.classify([{"role": "user", "content": parts}]).route == "reasoning"
+    assert classifier.classify([]).method == "default"
+
+
+def test_a_route_defined_by_a_few_config_examples_is_learned(classifier):
+    legal = (
+        RouterConfig()
+        .routes[2]
+        .model_copy(
+            update={
+                "name": "legal",
+                "examples": [
+                    "Is a verbal agreement legally binding in California?",
+                    "Can my landlord keep my deposit for normal wear and tear?",
+                    "What is the difference between a will and a living trust?",
+                    "Do I need a lawyer to file for divorce in Ontario?",
+                    "Is it legal to record a phone call without telling the other person?",
+                    "What happens if I break a non-compete clause?",
+                    "How long does a copyright last after the author dies?",
+                    "Can my employer fire me for posting on social media?",
+                ],
+            }
+        )
+    )
+    config = RouterConfig(routes=[*RouterConfig().routes, legal])
+    with_legal = SemanticClassifier(config, encoder=classifier.encoder)
+    handshake = user("Is a handshake deal enforceable if nothing was signed?")
+    assert with_legal.classify([handshake]).route == "legal"
+    assert with_legal.classify([user("What's a good birthday gift for my dad?")]).route == "chat"
+
+
+def test_cli_prints_one_json_decision_per_line(classifier, monkeypatch, capsys, tmp_path):
+    from cluster.cli import main
+
+    monkeypatch.setattr("router.classifier.SemanticClassifier", lambda config: classifier)
+    prompts = tmp_path / "prompts.txt"
+    tutor = {"role": "system", "content": SYSTEM["reasoning"]}
+    conversation = {"messages": [tutor, user("Is there a quicker way?")]}
+    prompts.write_text("write a go function that reverses a slice\n" + json.dumps(conversation) + "\n")
+    assert main(["route", str(prompts)]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(d["route"], d["pool"]) for d in lines] == [("coding", "coding"), ("reasoning", "reasoning")]
+    assert all(0 <= d["confidence"] <= 1 for d in lines)
+
+
+def test_cli_eval_prints_accuracy_and_confusion_matrix(classifier, monkeypatch, capsys, tmp_path):
+    from cluster.cli import main
+
+    monkeypatch.setattr("router.classifier.SemanticClassifier", lambda config: classifier)
+    labelled = tmp_path / "labelled.tsv"
+    labelled.write_text("coding\tfix my segfault in C\nchat\twhat's a nice gift for my dad\n")
+    assert main(["route", "--eval", str(labelled), "--no-humaneval"]) == 0
+    out = capsys.readouterr().out
+    assert "accuracy 100.0% (2/2)" in out and "confusion" in out

@@ -1,0 +1,65 @@
+"""Requests/min and tokens/min per key: over the limit -> 429 with a Retry-After that works."""
+
+import pytest
+
+from cluster.router_config import TierConfig
+from router.errors import RateLimitError
+from router.rate_limit import RateLimiter
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_requests_per_minute_limit_gives_retry_after():
+    clock = FakeClock()
+    limiter = RateLimiter(clock)
+    tier = TierConfig(name="free", priority=2, requests_per_minute=6)
+    for _ in range(6):
+        limiter.check("key-a", tier)
+    with pytest.raises(RateLimitError) as excinfo:
+        limiter.check("key-a", tier)
+    error = excinfo.value
+    assert error.status == 429 and error.retry_after == pytest.approx(10.0)  # one request per 10 s
+    assert error.headers() == {"retry-after": "10"}
+    assert error.to_openai()["error"]["code"] == "rate_limit_exceeded"
+    limiter.check("key-b", tier)  # another key has its own allowance
+    clock.now += 10.0
+    limiter.check("key-a", tier)  # came back when told to
+
+
+def test_tokens_per_minute_counts_prompt_and_generated_tokens():
+    clock = FakeClock()
+    limiter = RateLimiter(clock)
+    tier = TierConfig(name="standard", priority=1, tokens_per_minute=600)
+    limiter.check("k", tier, prompt_tokens=300)
+    limiter.charge_tokens("k", tier, 250)  # generated
+    with pytest.raises(RateLimitError) as excinfo:
+        limiter.check("k", tier, prompt_tokens=100)  # 50 left
+    assert excinfo.value.retry_after == pytest.approx(5.0)  # 50 missing at 10 tokens/s
+    clock.now += 5.0
+    limiter.check("k", tier, prompt_tokens=100)
+
+
+def test_rejected_request_takes_nothing_and_huge_prompt_is_not_locked_out_forever():
+    clock = FakeClock()
+    limiter = RateLimiter(clock)
+    tier = TierConfig(name="t", priority=1, requests_per_minute=2, tokens_per_minute=60)
+    limiter.check("k", tier, prompt_tokens=60)
+    with pytest.raises(RateLimitError):
+        limiter.check("k", tier, prompt_tokens=10)
+    clock.now += 60.0
+    limiter.check("k", tier, prompt_tokens=10_000)  # capped at one minute's allowance, once full
+    limiter.check("k", tier, prompt_tokens=0)  # the earlier rejection did not use up the second request
+
+
+def test_unlimited_tier_and_bounded_memory():
+    limiter = RateLimiter(FakeClock(), max_principals=10)
+    tier = TierConfig(name="premium", priority=0)
+    for i in range(1000):
+        limiter.check(f"anonymous:10.0.{i // 256}.{i % 256}", tier, prompt_tokens=10**6)
+    assert len(limiter._buckets) == 10
