@@ -3,7 +3,13 @@
 import argparse
 import importlib
 
-BENCHMARKS = {"engine": "bench.engine"}
+BENCHMARKS = {
+    "engine": "bench.engine",
+    "serve": "bench.serve",
+    "compare": "bench.compare",
+    "parallel": "bench.parallel",
+    "router": "bench.router",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

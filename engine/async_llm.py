@@ -3,7 +3,9 @@
 The model forward is blocking torch work, so it runs on its own thread (torch releases the
 GIL inside kernels) while the event loop keeps accepting requests and streaming outputs.
 Commands (add, abort) cross into the thread through a queue; outputs come back to each
-request's asyncio queue with `call_soon_threadsafe`.
+request's asyncio queue with `call_soon_threadsafe`. If a step fails (a rank of the worker
+group died), every request in flight and every later call ends with `EngineDeadError`, and
+`check_health()` raises it, so Serve replaces the replica.
 """
 
 import asyncio
@@ -15,15 +17,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.executor import EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread failed; requests in flight end with this error instead of hanging."""
 
 
 @dataclass(slots=True)
@@ -36,9 +35,10 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig | None = None, **engine_args):
-        self.engine = LLMEngine(config or EngineConfig(**engine_args))
+    def __init__(self, config: EngineConfig | None = None, placement_group=None, **engine_args):
+        self.engine = LLMEngine(config or EngineConfig(**engine_args), placement_group)
         self._commands: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()  # orders commands against the engine dying
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
@@ -85,9 +85,12 @@ class AsyncLLM:
                 await asyncio.shield(self.abort(request_id))
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request; returns once its KV blocks are free."""
+        """Abort a request; returns once its KV blocks are free (at once if the engine is dead)."""
         done: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._send(("abort", request_id, done))
+        try:
+            self._send(("abort", request_id, done))
+        except EngineDeadError:
+            return
         await done
 
     async def run_in_engine(self, fn):
@@ -96,15 +99,27 @@ class AsyncLLM:
         self._send(("call", fn, done))
         return await done
 
+    async def check_health(self) -> None:
+        """Raise `EngineDeadError` if the engine loop stopped or a rank of its worker group died."""
+        if self._error is not None:
+            raise EngineDeadError(f"engine failed: {self._error}") from self._error
+        if not self._thread.is_alive():
+            raise EngineDeadError("engine is shut down")
+        await asyncio.to_thread(self.engine.check_health)
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=10)
+        self.engine.shutdown()
 
     # -- engine thread -------------------------------------------------------------------------
 
     def _send(self, command: tuple) -> None:
-        self._commands.put(command)
+        with self._lock:
+            if self._error is not None:
+                raise EngineDeadError(f"engine failed: {self._error}") from self._error
+            self._commands.put(command)
         self._wakeup.set()
 
     def _run(self) -> None:
@@ -119,10 +134,24 @@ class AsyncLLM:
                         self._deliver(out)
         except BaseException as e:  # noqa: BLE001 - every waiting request must hear about it
             logger.exception("engine loop failed")
-            self._error = e
+            with self._lock:
+                self._error = e
+            message = str(e) if isinstance(e, EngineDeadError) else f"engine failed: {e!r}"
             for request_id, stream in list(self._streams.items()):
-                stream.put(EngineDeadError(f"engine failed: {e!r}"))
+                stream.put(EngineDeadError(message))
                 self._streams.pop(request_id, None)
+            self._fail_commands(EngineDeadError(message))
+
+    def _fail_commands(self, error: EngineDeadError) -> None:
+        """Answer commands sent before the engine died, so none of their callers waits forever."""
+        while True:
+            try:
+                kind, *args = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            done = args[-1]
+            result_error = None if kind == "abort" else EngineDeadError(str(error))
+            done.get_loop().call_soon_threadsafe(_resolve, done, None, result_error)
 
     def _handle_commands(self) -> None:
         while True:

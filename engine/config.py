@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class EngineConfig(BaseModel):
@@ -28,10 +28,63 @@ class EngineConfig(BaseModel):
         description="KV cache blocks; default: sized from kv_cache_memory_gb (CPU) or free GPU memory.",
     )
     kv_cache_memory_gb: float = Field(
-        2.0, gt=0, description="KV cache size on CPU when num_kv_blocks is unset."
+        2.0, gt=0, description="KV cache size on CPU, per rank, when num_kv_blocks is unset."
     )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Fraction of GPU memory the weights and KV cache may use."
     )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
     seed: int = Field(0, description="Seed of the engine's generator for requests without their own seed.")
+
+    # -- parallelism (engine/executor.py; the rank layout is in parallel/state.py) -------------
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Ranks that split every layer (attention heads, MLP and expert widths)."
+    )
+    expert_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Ranks that split the experts of MoE layers. The group has tensor x expert ranks; "
+        "each of the expert_parallel_size tensor-parallel groups runs attention on the same batch.",
+    )
+    distributed_executor_backend: Literal["auto", "uni", "ray"] = Field(
+        "auto",
+        description="auto: in-process for one rank, one Ray actor per rank otherwise; "
+        "ray: Ray actors even for one rank (e.g. to run the model on a GPU bundle of a placement group).",
+    )
+    distributed_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend of the ranks; auto: nccl on GPUs, gloo on CPUs."
+    )
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK",
+        description="Ray placement group strategy of the ranks' bundles when the engine creates the group; "
+        "STRICT_PACK keeps them on one node, the others allow spreading a group across nodes.",
+    )
+    cpus_per_rank: float = Field(
+        1.0,
+        gt=0,
+        description="Ray CPUs each rank's actor reserves (fractional allowed); CPU ranks use "
+        "that many torch threads (at least one).",
+    )
+    placement_timeout_s: float = Field(
+        60.0, gt=0, description="How long to wait for the ranks' resources before failing start-up."
+    )
+    step_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="A step (or a collective) of the rank group taking longer than this fails the engine "
+        "instead of hanging.",
+    )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the worker group: tensor_parallel_size x expert_parallel_size."""
+        return self.tensor_parallel_size * self.expert_parallel_size
+
+    @model_validator(mode="after")
+    def _one_rank_in_process(self) -> "EngineConfig":
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend: 'uni' runs one rank in-process, but tensor_parallel_size x "
+                f"expert_parallel_size is {self.world_size}; use 'auto' or 'ray'"
+            )
+        return self

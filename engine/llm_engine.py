@@ -1,8 +1,10 @@
 """The synchronous engine core: add requests, `step()` the batch, collect outputs.
 
 `LLM` (offline) and `AsyncLLM` (serving) both drive this class; it owns the scheduler,
-the KV block manager, the model runner and the sampler, and turns sampled tokens into
-`RequestOutput`s (detokenized, with stop conditions applied).
+the KV block manager, the executor (the model in-process, or one Ray actor per rank) and the
+sampler, and turns sampled tokens into `RequestOutput`s (detokenized, with stop conditions
+applied). A step that fails leaves the engine dead: every later step and `check_health()`
+raise `EngineDeadError`.
 """
 
 import itertools
@@ -16,7 +18,8 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.model_runner import ModelInput, ModelRunner
+from engine.executor import EngineDeadError, make_executor
+from engine.model_runner import ModelInput
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
@@ -68,19 +71,23 @@ def eos_token_ids(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, placement_group=None):
+        """`placement_group`: a Ray placement group whose first world_size bundles the ranks use
+        (default: the current one, e.g. a Serve replica's, else one the executor creates)."""
         self.config = config
-        self.runner = ModelRunner(config)
-        self.hf_config = self.runner.hf_config
+        self.executor = make_executor(config, placement_group)
+        self.runner = getattr(self.executor, "runner", None)  # the in-process ModelRunner, if any
+        self.hf_config = self.executor.hf_config
+        self._dead: BaseException | None = None
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.vocab_size = self.hf_config.vocab_size
         self.eos_token_ids = eos_token_ids(config.model, self.hf_config, self.tokenizer)
         self.max_model_len = min(
             config.max_model_len or self.hf_config.max_position_embeddings,
-            self.runner.num_blocks * config.block_size,
+            self.executor.num_blocks * config.block_size,
         )
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+            self.executor.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
@@ -196,7 +203,7 @@ class LLMEngine:
         if not scheduled.requests:
             return []
         batch, sampling = self._prepare_input(scheduled)
-        logits = self.runner.execute_model(batch)
+        logits = self._execute(batch)
         for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
             request.num_computed_tokens += num_new
             self.block_manager.cache_full_blocks(request)
@@ -224,6 +231,34 @@ class LLMEngine:
                 batch.sample_indices.append(len(batch.token_ids) - 1)
                 sampling.append(request)
         return batch, sampling
+
+    def _execute(self, batch: ModelInput) -> torch.Tensor:
+        if self._dead is not None:
+            raise self._dead_error()
+        try:
+            return self.executor.execute_model(batch)
+        except Exception as e:
+            self._dead = e
+            raise
+
+    def check_health(self) -> None:
+        """Raise `EngineDeadError` if a step failed or a rank of the worker group is gone."""
+        if self._dead is not None:
+            raise self._dead_error()
+        self.executor.check_health()
+
+    def _dead_error(self) -> EngineDeadError:
+        dead = self._dead
+        if isinstance(dead, EngineDeadError):
+            error = EngineDeadError(str(dead))
+        else:
+            error = EngineDeadError(f"engine is dead: a step failed: {dead!r}")
+        error.__cause__ = dead
+        return error
+
+    def shutdown(self) -> None:
+        """Release the worker group (Ray actors, placement group); no-op in-process."""
+        self.executor.shutdown()
 
     def _apply_grammar(self, logits: torch.Tensor, requests: list[Request]) -> None:
         rows = [i for i, r in enumerate(requests) if r.grammar is not None]

@@ -1,7 +1,10 @@
 """Owns the model and its KV cache on one device; runs one step's forward.
 
 The runner sees only `ModelInput` (plain lists, cheap to pickle), so the same runner runs
-in-process or inside a Ray worker that receives the batch from the driver.
+in-process or inside a Ray worker that receives the batch from the driver. In a worker group
+each rank builds its runner after joining the process groups (the layers read their shard
+from them), reports how many KV blocks it could hold, and allocates the number every rank
+agreed on (`available_kv_blocks`, then `allocate_kv_cache`).
 """
 
 import logging
@@ -52,8 +55,15 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, AutoConfig.from_pretrained(config.model), self.device)
         self.model, self.hf_config = load_model(config.model, dtype=self.dtype, device=self.device)
         self.block_size = config.block_size
-        self.num_blocks = config.num_kv_blocks or self._num_blocks_for_memory()
-        self._allocate_kv_cache()
+        self.num_blocks = 0  # until allocate_kv_cache
+
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's parameters (a tied embedding counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def available_kv_blocks(self) -> int:
+        """KV blocks this rank can hold: `num_kv_blocks` if set, else what its memory budget allows."""
+        return self.config.num_kv_blocks or self._num_blocks_for_memory()
 
     def _block_bytes(self) -> int:
         shape = self.model.kv_cache_shape_per_block(self.block_size)
@@ -68,7 +78,8 @@ class ModelRunner:
             budget = self.config.kv_cache_memory_gb * 2**30
         return max(1, int(budget // self._block_bytes()))
 
-    def _allocate_kv_cache(self) -> None:
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
         shape = (self.num_blocks, *self.model.kv_cache_shape_per_block(self.block_size))
         for layer in self.model.attention_layers():
             layer.bind_kv_cache(
@@ -83,8 +94,12 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute_model(self, batch: ModelInput) -> torch.Tensor:
-        """Forward the batch; returns float32 logits [len(sample_indices), vocab] on CPU."""
+    def execute_model(self, batch: ModelInput, compute_logits: bool = True) -> torch.Tensor | None:
+        """Forward the batch; returns float32 logits [len(sample_indices), vocab] on CPU.
+
+        With `compute_logits` False (ranks whose TP group's logits nobody reads) it stops after
+        the last layer and returns None.
+        """
         meta = build_attention_metadata(
             batch.block_tables,
             batch.context_lens,
@@ -96,6 +111,8 @@ class ModelRunner:
         input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, meta)
+        if not compute_logits:
+            return None
         if not batch.sample_indices:
             return torch.empty(0, 0)
         rows = torch.tensor(batch.sample_indices, dtype=torch.long, device=self.device)

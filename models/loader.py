@@ -1,8 +1,10 @@
 """Build a model from a Hugging Face checkpoint directory and load its safetensors.
 
-Tensors are read one at a time; each goes to its parameter's `weight_loader`, which
-keeps this rank's slice. Checkpoint names map onto parameters by three rules, tried
-in order after the model's renames:
+Each checkpoint tensor goes to its parameter's `weight_loader` as a `LazyWeight` over
+safetensors' `get_slice`: the loader narrows it to this rank's shard and only that slice is
+read from the file, so a rank's loading memory falls with the number of ranks.
+
+Checkpoint names map onto parameters by three rules, tried in order after the model's renames:
   - one expert's weight (`experts.{e}.w1.weight`, `experts.{e}.gate_proj.weight`, ...)
     -> `experts.w13`/`experts.w2` with (shard_id, expert_id);
   - fused experts as transformers 5 saves them (`experts.gate_up_proj`, `experts.down_proj`)
@@ -26,6 +28,7 @@ from transformers import AutoConfig, PreTrainedConfig
 from models.decoder import DecoderForCausalLM
 from models.registry import get_model_class
 from parallel.layers import default_weight_loader
+from parallel.lazy_weight import LazyWeight
 
 _EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
 _FUSED_EXPERTS = {".experts.gate_up_proj": ".experts.w13", ".experts.down_proj": ".experts.w2"}
@@ -82,12 +85,12 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor, read lazily so one tensor is in memory at a time."""
+def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, LazyWeight]]:
+    """(name, lazy tensor) of every tensor; nothing is read until a weight loader copies a slice."""
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                yield name, LazyWeight(f.get_slice(name))
 
 
 @torch.no_grad()

@@ -7,7 +7,9 @@ block and one per MLP. Embedding and LM head split the vocabulary.
 
 Every parameter carries `param.weight_loader(param, loaded_weight, shard_id=None)`,
 which takes the full Hugging Face tensor and copies this rank's slice into `param`,
-so the model loader never needs to know how a layer is sharded.
+so the model loader never needs to know how a layer is sharded. `loaded_weight` may be a
+`LazyWeight` (what the model loader passes): narrowing it reads nothing, and `copy_weight`
+reads only the slice it copies.
 
 `tp_rank`/`tp_size` default to the process-group state; tests pass them explicitly to
 build every rank's shard in one process.
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel.lazy_weight import LazyWeight, materialize
 from parallel.state import (
     get_tp_rank,
     get_tp_size,
@@ -31,13 +34,13 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
+def copy_weight(dst: torch.Tensor, src: torch.Tensor | LazyWeight) -> None:
     # copy_ would broadcast a wrongly shaped tensor silently; a bad checkpoint must fail loudly.
     if dst.shape != src.shape:
         raise ValueError(
             f"weight shape mismatch: parameter {tuple(dst.shape)}, checkpoint {tuple(src.shape)}"
         )
-    dst.copy_(src)
+    dst.copy_(materialize(src))
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:

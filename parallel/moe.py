@@ -1,32 +1,35 @@
 """Expert-parallel mixture-of-experts layer.
 
-The experts of a layer are partitioned over the expert-parallel (EP) group: rank r
-holds experts [r * E/P, (r + 1) * E/P). The router gate is replicated and runs before
-this layer, so every rank knows each token's top-k experts.
+The experts of a layer are partitioned over the expert-parallel (EP) group: EP rank e
+holds experts [e * X/E, (e + 1) * X/E). Inside the tensor-parallel (TP) group, each of
+those experts is split like a dense MLP: TP rank t holds slice t of the intermediate
+size (its rows of gate/up, its columns of down). So each of the T*E ranks holds a distinct
+1/(T*E) of the layer (see `parallel/state.py` for the rank layout). The router gate is
+replicated and runs before this layer, so every rank knows each token's top-k experts.
 
-Combining with an all-reduce. Here attention is tensor-parallel, so after the
-attention block every rank of the EP group holds the same tokens. Each rank runs
-its local experts on the tokens routed to them, weights the results by the routing
-weights, and leaves zeros for tokens whose experts live elsewhere; summing over the
-group (one all-reduce, like a row-parallel layer) gives every rank the full output.
+Combining with an all-reduce. Here attention is tensor-parallel and every TP group runs
+the same batch, so every rank holds the same tokens when the MoE layer starts. Each rank
+runs its local experts' slices on the tokens routed to them, weights the results by the
+routing weights, and leaves zeros for tokens whose experts live elsewhere; summing over
+all ranks (one all-reduce, like a row-parallel layer) gives every rank the full output.
 
-Dispatch with all-to-all instead. When attention runs data-parallel, each rank holds
-different tokens and a sum would mix them. Then the layer would (1) count how many of
-its (token, expert) pairs go to each rank and exchange the counts (all_to_all_single
-on a [P] tensor); (2) permute its token copies so pairs bound for the same rank are
-contiguous and send them (all_to_all_single with those split sizes); (3) run the
-local experts on what it received; (4) send the results back along the reverse
-splits; (5) un-permute, multiply by the routing weights and sum the k copies per
-token. Only routed tokens cross the network instead of a dense [N, H] sum per rank,
-which is why large EP deployments use it; `forward`'s signature would not change.
+Dispatch with all-to-all instead. When attention runs data-parallel, each TP group holds
+different tokens and a sum would mix them. Then the layer would, within each EP group,
+(1) count how many of its (token, expert) pairs go to each EP rank and exchange the counts
+(all_to_all_single on a [E] tensor); (2) permute its token copies so pairs bound for the
+same rank are contiguous and send them (all_to_all_single with those split sizes); (3) run
+the local experts on what it received (all-reducing over the TP group as now); (4) send the
+results back along the reverse splits; (5) un-permute, multiply by the routing weights and
+sum the k copies per token. Only routed tokens cross the network instead of a dense [N, H]
+sum per rank, which is why large EP deployments use it; `forward`'s signature would not change.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.layers import copy_weight
-from parallel.state import expert_parallel_all_reduce, get_ep_rank, get_ep_size
+from parallel.layers import copy_weight, divide
+from parallel.state import get_ep_rank, get_ep_size, get_tp_rank, get_tp_size, moe_all_reduce
 
 
 def topk_softmax(
@@ -45,10 +48,10 @@ def topk_softmax(
 
 
 class FusedMoE(nn.Module):
-    """This EP rank's experts as two 3D weights.
+    """This rank's experts, and its TP slice of each, as two 3D weights.
 
-    w13: [E_local, 2 * I, H], gate_proj rows then up_proj rows (HF's `gate_up_proj` layout).
-    w2:  [E_local, H, I] (HF's `down_proj`).
+    w13: [X_local, 2 * I_local, H], gate rows then up rows (HF's `gate_up_proj` layout).
+    w2:  [X_local, H, I_local] (HF's `down_proj`). I_local = intermediate_size / tp_size.
     """
 
     def __init__(
@@ -60,10 +63,14 @@ class FusedMoE(nn.Module):
         hidden_act: str = "silu",
         ep_rank: int | None = None,
         ep_size: int | None = None,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
     ):
         super().__init__()
         self.ep_rank = get_ep_rank() if ep_rank is None else ep_rank
         self.ep_size = get_ep_size() if ep_size is None else ep_size
+        self.tp_rank = get_tp_rank() if tp_rank is None else tp_rank
+        self.tp_size = get_tp_size() if tp_size is None else tp_size
         if num_experts % self.ep_size:
             raise ValueError(
                 f"{num_experts} experts cannot be split evenly over expert-parallel size {self.ep_size}"
@@ -71,15 +78,15 @@ class FusedMoE(nn.Module):
         if hidden_act != "silu":
             raise ValueError(f"FusedMoE supports hidden_act 'silu', not {hidden_act!r}")
         self.num_experts, self.top_k = num_experts, top_k
-        self.intermediate_size = intermediate_size
+        self.intermediate_size = divide(intermediate_size, self.tp_size)  # this rank's slice
         self.num_local_experts = num_experts // self.ep_size
         self.expert_start = self.ep_rank * self.num_local_experts
-        e = self.num_local_experts
-        self.w13 = nn.Parameter(torch.empty(e, 2 * intermediate_size, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, hidden_size, intermediate_size), requires_grad=False)
+        e, i = self.num_local_experts, self.intermediate_size
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, hidden_size, i), requires_grad=False)
         local = range(self.expert_start, self.expert_start + e)
-        self.w13.shard_ids = tuple((i, s) for i in local for s in ("gate", "up"))
-        self.w2.shard_ids = tuple((i, "down") for i in local)
+        self.w13.shard_ids = tuple((x, s) for x in local for s in ("gate", "up"))
+        self.w2.shard_ids = tuple((x, "down") for x in local)
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
 
     def weight_loader(
@@ -90,21 +97,32 @@ class FusedMoE(nn.Module):
         expert_id: int | None = None,
     ) -> None:
         """Load either a fused 3D tensor of all experts (expert_id None) or one expert's
-        2D `gate`/`up`/`down` weight; experts of other ranks are skipped."""
+        2D `gate`/`up`/`down` weight; experts of other EP ranks are skipped, and only this
+        TP rank's slice of the intermediate size is read."""
+        i = self.intermediate_size
+        start = self.tp_rank * i
         if expert_id is None:
-            copy_weight(param.data, loaded_weight.narrow(0, self.expert_start, self.num_local_experts))
+            mine = loaded_weight.narrow(0, self.expert_start, self.num_local_experts)
+            if param is self.w2:
+                copy_weight(param.data, mine.narrow(2, start, i))
+                return
+            full = i * self.tp_size
+            copy_weight(param.data[:, :i], mine.narrow(1, start, i))
+            copy_weight(param.data[:, i:], mine.narrow(1, full + start, i))
             return
         local = expert_id - self.expert_start
         if not 0 <= local < self.num_local_experts:
             return
-        i = self.intermediate_size
-        rows = {"gate": slice(0, i), "up": slice(i, 2 * i), "down": slice(None)}[shard_id]
-        copy_weight(param.data[local, rows], loaded_weight)
+        if shard_id == "down":
+            copy_weight(param.data[local], loaded_weight.narrow(1, start, i))
+            return
+        rows = slice(0, i) if shard_id == "gate" else slice(i, 2 * i)
+        copy_weight(param.data[local, rows], loaded_weight.narrow(0, start, i))
 
     def forward(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        """hidden [N, H], topk_ids/topk_weights [N, k] -> [N, H] summed over the EP group."""
+        """hidden [N, H], topk_ids/topk_weights [N, k] -> [N, H] summed over all ranks."""
         out = torch.zeros_like(hidden)
         local_ids = topk_ids - self.expert_start
         is_local = (local_ids >= 0) & (local_ids < self.num_local_experts)
@@ -113,4 +131,4 @@ class FusedMoE(nn.Module):
             gate, up = F.linear(hidden[token_idx], self.w13[e]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.w2[e]) * topk_weights[token_idx, slot, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
-        return expert_parallel_all_reduce(out)
+        return moe_all_reduce(out)

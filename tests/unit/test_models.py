@@ -392,7 +392,8 @@ def _tp_worker(rank: int, world_size: int, init_method: str, checkpoints: dict, 
 
 
 def test_two_ranks_over_gloo_match_hf(tmp_path):
-    """TP=2 attention/MLP (EP=2 experts); `llama-kv1` has 1 KV head, so both ranks replicate it."""
+    """TP=2 over attention, MLPs and each expert's intermediate size; `llama-kv1` has 1 KV head,
+    so both ranks replicate it. (Expert parallelism runs through the engine in tests/integration.)"""
     checkpoints = {
         "llama": make_checkpoint(tmp_path / "llama", "llama"),
         "llama-kv1": make_checkpoint(tmp_path / "llama-kv1", "llama", num_key_value_heads=1),
