@@ -4,7 +4,6 @@
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-DEMO_DIR ?= .demo-models
 
 .PHONY: install install-test run test lint bench clean
 
@@ -22,9 +21,10 @@ install-test: $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 
+# The main job: the OpenAI-compatible API on the embedded default (demo models as the
+# coding, reasoning and chat pools), in the foreground until Ctrl-C.
 run: install
-	$(BIN)/raylane demo-models $(DEMO_DIR)
-	$(BIN)/raylane generate --model $(DEMO_DIR)/raylane-llama-tiny --chat "Hello from raylane"
+	$(BIN)/raylane serve
 
 lint:
 	$(BIN)/ruff check .
@@ -37,4 +37,4 @@ bench: install
 	$(BIN)/raylane bench engine
 
 clean:
-	rm -rf $(VENV) $(DEMO_DIR)
+	rm -rf $(VENV)

@@ -13,6 +13,8 @@ SUBCOMMANDS = {
     "demo-models": ("cluster.demo_models", "create the small demo checkpoints (Llama, Qwen3-MoE)"),
     "generate": ("cluster.generate", "generate text offline with the engine from a local checkpoint"),
     "bench": ("bench.cli", "run a benchmark (engine, ...) and print its table"),
+    "serve": ("cluster.serve", "serve the OpenAI-compatible API (Ray Serve) in the foreground"),
+    "route": ("cluster.route", "show the semantic router's decisions for prompts, or its accuracy (--eval)"),
 }
 
 

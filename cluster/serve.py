@@ -1,0 +1,140 @@
+"""`raylane serve`: run the OpenAI-compatible API in the foreground, like `serve run`.
+
+Starts a local Ray (or joins the cluster at $RAY_ADDRESS), deploys the Serve app built from the
+config (the embedded default when none is given: the demo models as the coding, reasoning and chat
+pools), prints the URL and waits. Ctrl-C or SIGTERM deletes the app, shuts Serve down and stops the
+Ray it started, so nothing is left running.
+"""
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="cluster config YAML (default: the embedded demo config)")
+    parser.add_argument("--host", help="listen address (default: the config's http.host)")
+    parser.add_argument("--port", type=int, help="listen port (default: the config's http.port)")
+
+
+def load_config(args: argparse.Namespace):
+    from pydantic import ValidationError
+
+    from cluster.config import ClusterConfig, ConfigError, HttpConfig, default_config, format_errors
+
+    config = ClusterConfig.from_yaml(args.config) if args.config else default_config()
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    if not overrides:
+        return config
+    data = config.http.model_dump() | overrides
+    try:
+        http = HttpConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_errors(e, data, "--host/--port")) from None
+    return config.model_copy(update={"http": http})
+
+
+def run(args: argparse.Namespace) -> int:
+    from cluster.config import ConfigError
+
+    try:
+        config = load_config(args)
+    except ConfigError as e:
+        print(f"raylane serve: {e}", file=sys.stderr)
+        return 2
+    if problem := port_problem(config.http.host, config.http.port):
+        print(
+            f"raylane serve: cannot listen on {config.http.host}:{config.http.port}: {problem}",
+            file=sys.stderr,
+        )
+        return 2
+    joined = bool(os.environ.get("RAY_ADDRESS"))
+    if not joined and (missing := missing_checkpoints(config)):  # on this machine, check before starting
+        print("raylane serve: " + "; ".join(missing), file=sys.stderr)
+        return 2
+    demo = sorted({p.demo_model for p in config.pools if p.demo_model})
+    if demo:  # write them here, with a progress bar, rather than silently in each replica
+        from cluster.demo_models import create_demo_models, default_demo_dir
+
+        create_demo_models(default_demo_dir(), names=demo)
+
+    import ray
+    from ray import serve
+
+    from deployments.app import APP_NAME, build_app
+
+    status = 0
+    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", namespace="raylane")
+    for signum in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a shell may start us with it ignored
+        _stop_on(signum)
+    try:
+        http = config.http
+        http_options = {"host": http.host, "port": http.port}
+        if http.request_timeout_s is not None:
+            http_options["request_timeout_s"] = http.request_timeout_s
+        serve.start(http_options=http_options)
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        host = "127.0.0.1" if http.host in ("0.0.0.0", "::") else http.host
+        models = ", ".join(p.model_id for p in config.pools)
+        print(
+            f"raylane: OpenAI API at http://{host}:{http.port}/v1 (models: {models}); Ctrl-C stops it",
+            flush=True,
+        )
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("raylane: shutting down", flush=True)
+    except Exception as e:  # a deployment that failed (replicas could not start): say so, clean up
+        print(f"raylane serve: {e}", file=sys.stderr, flush=True)
+        status = 1
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the clean-up short
+            signal.signal(signum, signal.SIG_IGN)
+        _shutdown(serve, joined)
+        ray.shutdown()
+        print("raylane: stopped", flush=True)
+    return status
+
+
+def missing_checkpoints(config) -> list[str]:
+    """Pools whose checkpoint directory is not here (each replica would fail and retry)."""
+    return [
+        f"pools[{i}] ({p.name}).model: no checkpoint at {p.model_path()} (config.json missing)"
+        for i, p in enumerate(config.pools)
+        if p.demo_model is None and not os.path.isfile(os.path.join(p.model_path(), "config.json"))
+    ]
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why the HTTP proxy could not bind, found before starting anything (Serve would only retry)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def _stop_on(signum: int) -> None:
+    def handler(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signum, handler)
+
+
+def _shutdown(serve, joined: bool) -> None:
+    from deployments.app import APP_NAME
+
+    try:
+        if joined:  # leave other apps on a shared cluster alone
+            serve.delete(APP_NAME)
+            if serve.status().applications:
+                return
+        serve.shutdown()
+    except Exception as e:  # Ray going down anyway: report, do not mask the exit
+        print(f"raylane: Serve shutdown: {e!r}", file=sys.stderr)

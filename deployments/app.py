@@ -1,0 +1,96 @@
+"""Build the Serve application from a `ClusterConfig`: one `ModelPool` deployment per pool and the
+`Gateway` ingress holding their handles (Ray Serve LLM's shape: one ingress, one deployment per model).
+
+    serve.run(build_app(ClusterConfig.from_yaml("cluster.yaml")), name=APP_NAME, route_prefix="/")
+
+A Serve config file can name it too: `import_path: deployments.app:build_app` with
+`args: {config_path: cluster.yaml}` or the config itself under `args`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from cluster.config import ClusterConfig, PoolConfig
+from deployments.gateway import Gateway
+from deployments.model_pool import ModelPool
+
+APP_NAME = "raylane"
+# At tensor-parallel size > 1 every rank is an actor; the replica itself only schedules and samples.
+REPLICA_DRIVER_CPUS = 0.1
+
+
+def pool_deployment_name(pool_name: str) -> str:
+    return f"ModelPool:{pool_name}"
+
+
+def pool_deployment_options(pool: PoolConfig) -> dict[str, Any]:
+    """Serve options of a pool: one placement-group bundle per rank, replicas and autoscaling."""
+    rank = {"CPU": pool.engine.cpus_per_rank} | ({"GPU": 1} if pool.gpus_per_rank else {})
+    if pool.in_process:  # the engine runs inside the replica, on the one bundle
+        bundles = [rank]
+        actor = {"num_cpus": pool.engine.cpus_per_rank, "num_gpus": pool.gpus_per_rank}
+    else:  # rank i's actor runs in bundle i (engine/placement.py); the replica shares bundle 0
+        bundles = [{**rank, "CPU": rank["CPU"] + REPLICA_DRIVER_CPUS}] + [rank] * (pool.world_size - 1)
+        actor = {"num_cpus": REPLICA_DRIVER_CPUS}
+    replicas = pool.replicas
+    options: dict[str, Any] = {
+        "name": pool_deployment_name(pool.name),
+        "ray_actor_options": actor,
+        "placement_group_bundles": bundles,
+        "placement_group_strategy": pool.engine.placement_strategy,
+        "max_ongoing_requests": replicas.max_ongoing_requests,
+        "health_check_period_s": pool.health_check_period_s,
+        "health_check_timeout_s": pool.health_check_timeout_s,
+    }
+    if replicas.autoscaling:
+        options["autoscaling_config"] = {
+            "min_replicas": replicas.min_replicas,
+            "max_replicas": replicas.max_replicas,
+            "initial_replicas": replicas.initial_replicas,
+            "target_ongoing_requests": replicas.target_ongoing_requests,
+            "upscale_delay_s": replicas.upscale_delay_s,
+            "downscale_delay_s": replicas.downscale_delay_s,
+        }
+    else:
+        options["num_replicas"] = replicas.min_replicas
+    return options
+
+
+def gateway_deployment_options(config: ClusterConfig) -> dict[str, Any]:
+    return {
+        "name": "Gateway",
+        "num_replicas": config.gateway.num_replicas,
+        "ray_actor_options": {"num_cpus": config.gateway.num_cpus},
+        "max_ongoing_requests": config.gateway.max_ongoing_requests,
+    }
+
+
+def build_app(config: ClusterConfig | dict[str, Any] | str | os.PathLike | None = None) -> Application:
+    """The Serve application of a cluster config (a `ClusterConfig`, its dict, a YAML path,
+    `{"config_path": ...}` as Serve's `args`, or None for the embedded default)."""
+    config = _coerce(config)
+    pools = {
+        pool.name: serve.deployment(ModelPool, **pool_deployment_options(pool)).bind(pool)
+        for pool in config.pools
+    }
+    # The config objects themselves travel (pickled): a JSON dump would mask the API keys.
+    return serve.deployment(Gateway, **gateway_deployment_options(config)).bind(config, pools)
+
+
+def _coerce(config) -> ClusterConfig:
+    from cluster.config import default_config
+
+    if config is None:
+        return default_config()
+    if isinstance(config, ClusterConfig):
+        return config
+    if isinstance(config, dict) and set(config) == {"config_path"}:
+        config = config["config_path"]
+    if isinstance(config, str | os.PathLike):
+        return ClusterConfig.from_yaml(config)
+    return ClusterConfig.from_dict(config)

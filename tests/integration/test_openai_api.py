@@ -1,0 +1,556 @@
+"""The OpenAI API as an application sees it: the official `openai` SDK against the Serve app.
+
+The pools serve random-weight demo models, so tests check what the API promises (shapes, exact
+usage, determinism, constraints, streaming equal to non-streaming) rather than what the text says.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import openai
+import pytest
+
+from deployments.tool_calls import ToolCallStreamParser, parse_tool_calls
+
+HELLO = [{"role": "user", "content": "Write one sentence about the sea."}]
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Forecast for a city.",
+            "parameters": WEATHER_PARAMS,
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Local time in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+PARAMS_BY_NAME = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+# Forces the markup a tool-calling model writes, so `auto` parsing is exercised with a random model.
+TOOL_MARKUP_REGEX = (
+    r'Let me check\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+    r'\{"city": "(Paris|Tokyo)", "days": [1-7]\}\}\n</tool_call>'
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from cluster.demo_models import load_tokenizer
+
+    return load_tokenizer()
+
+
+def prompt_tokens(tokenizer, messages, tools=None) -> int:
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def collect_stream(stream):
+    """(content per choice, tool calls per choice, finish reasons, usage chunks, chunks) of an SDK stream."""
+    content, calls, finish, usage, chunks = {}, {}, {}, [], []
+    for chunk in stream:
+        chunks.append(chunk)
+        if chunk.usage is not None:
+            usage.append(chunk.usage)
+        for choice in chunk.choices:
+            content.setdefault(choice.index, "")
+            content[choice.index] += choice.delta.content or ""
+            for tc in choice.delta.tool_calls or []:
+                call = calls.setdefault(choice.index, {}).setdefault(tc.index, {"arguments": ""})
+                if tc.id:
+                    call["id"] = tc.id
+                if tc.function and tc.function.name:
+                    call["name"] = tc.function.name
+                if tc.function and tc.function.arguments:
+                    call["arguments"] += tc.function.arguments
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    return content, calls, finish, usage, chunks
+
+
+def assert_valid_call(name: str, arguments: str) -> None:
+    jsonschema.validate(json.loads(arguments), PARAMS_BY_NAME[name])
+
+
+# -- chat ----------------------------------------------------------------------------------------
+
+
+def test_chat_usage_counts_every_token(client, tokenizer):
+    r = client.chat.completions.create(
+        model="chat", messages=HELLO, max_tokens=12, temperature=0, logprobs=True
+    )
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and r.model == "raylane-llama-tiny"
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == prompt_tokens(tokenizer, HELLO)
+    assert r.usage.completion_tokens == len(choice.logprobs.content) > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    if choice.finish_reason == "length":
+        assert r.usage.completion_tokens == 12
+
+
+def test_pool_name_and_served_model_id_reach_the_same_pool(client):
+    by_id = client.chat.completions.create(
+        model="raylane-llama-tiny", messages=HELLO, max_tokens=6, temperature=0
+    )
+    by_pool = client.chat.completions.create(model="chat", messages=HELLO, max_tokens=6, temperature=0)
+    assert by_id.choices[0].message.content == by_pool.choices[0].message.content
+
+
+def test_streaming_chat_equals_non_streaming(client):
+    full = client.chat.completions.create(model="reasoning", messages=HELLO, max_tokens=16, temperature=0)
+    stream = client.chat.completions.create(
+        model="reasoning", messages=HELLO, max_tokens=16, temperature=0, stream=True
+    )
+    content, _, finish, usage, chunks = collect_stream(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert content[0] == full.choices[0].message.content
+    assert finish[0] == full.choices[0].finish_reason
+    assert usage == []  # no usage chunk unless asked for
+
+
+def test_stream_include_usage_ends_with_exact_usage(client, tokenizer):
+    stream = client.chat.completions.create(
+        model="chat",
+        messages=HELLO,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        logprobs=True,
+    )
+    _, _, _, usage, chunks = collect_stream(stream)
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None and len(usage) == 1
+    tokens = sum(
+        len(c.choices[0].logprobs.content) for c in chunks[:-1] if c.choices and c.choices[0].logprobs
+    )
+    assert last.usage.prompt_tokens == prompt_tokens(tokenizer, HELLO)
+    assert last.usage.completion_tokens == tokens > 0
+    assert last.usage.total_tokens == last.usage.prompt_tokens + tokens
+
+
+def test_n_choices_streamed_and_not(client):
+    r = client.chat.completions.create(
+        model="chat", messages=HELLO, max_tokens=8, n=2, seed=5, temperature=1.0
+    )
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    texts = [c.message.content for c in r.choices]
+    assert texts[0] != texts[1]  # each choice samples with its own seed
+    stream = client.chat.completions.create(
+        model="chat",
+        messages=HELLO,
+        max_tokens=8,
+        n=2,
+        seed=5,
+        temperature=1.0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    content, _, finish, usage, _ = collect_stream(stream)
+    assert [content[0], content[1]] == texts
+    assert set(finish) == {0, 1}
+    assert usage[0].completion_tokens == r.usage.completion_tokens
+
+
+def test_seed_makes_sampling_reproducible(client):
+    def sample(seed):
+        r = client.chat.completions.create(
+            model="chat", messages=HELLO, max_tokens=12, temperature=1.0, seed=seed
+        )
+        return r.choices[0].message.content
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert sample(4321) != first
+
+
+def test_stop_sequence_ends_the_text_before_it(client):
+    base = client.chat.completions.create(model="chat", messages=HELLO, max_tokens=20, temperature=0)
+    text = base.choices[0].message.content
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), f"need a visible stop string in {text!r}"
+    r = client.chat.completions.create(
+        model="chat", messages=HELLO, max_tokens=20, temperature=0, stop=[stop]
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == text[: text.index(stop)]
+
+
+def test_logprobs_with_top_alternatives(client):
+    r = client.chat.completions.create(
+        model="chat", messages=HELLO, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token  # greedy takes the most likely token
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+    text = "".join(e.token for e in content if e.token != "<|im_end|>")
+    assert text == r.choices[0].message.content
+
+
+def test_json_mode_returns_a_json_object(client):
+    # A random-weight model rarely closes a free-form string; this seed's object ends within 120 tokens.
+    r = client.chat.completions.create(
+        model="chat",
+        messages=[{"role": "user", "content": "Describe a cat as JSON."}],
+        response_format={"type": "json_object"},
+        max_tokens=120,
+        temperature=1.0,
+        seed=1,
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_json_schema_output_validates(client):
+    schema = {
+        "type": "object",
+        "properties": {
+            "answer": {"type": "string", "enum": ["yes", "no"]},
+            "confidence": {"type": "integer", "minimum": 0, "maximum": 100},
+            "colors": {"type": "array", "items": {"type": "string", "enum": ["red", "blue"]}, "maxItems": 2},
+        },
+        "required": ["answer", "confidence", "colors"],
+        "additionalProperties": False,
+    }
+    for model in ("chat", "reasoning"):
+        r = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Is the sky blue?"}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "verdict", "schema": schema, "strict": True},
+            },
+            max_tokens=60,
+            temperature=0.8,
+            seed=3,
+        )
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+# -- tools ---------------------------------------------------------------------------------------
+
+
+def test_named_tool_choice_calls_that_function(client):
+    r = client.chat.completions.create(
+        model="chat",
+        messages=[{"role": "user", "content": "What time is it in Tokyo?"}],
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=80,
+        temperature=0,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"  # OpenAI's answer when the request named the function
+    assert choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_time"
+    assert_valid_call(call.function.name, call.function.arguments)
+
+
+def test_required_tool_choice_streamed_and_not(client):
+    kwargs = dict(
+        model="reasoning",
+        messages=[{"role": "user", "content": "Weather in Paris for 3 days?"}],
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=80,
+        temperature=0,
+    )
+    r = client.chat.completions.create(**kwargs)
+    assert r.choices[0].finish_reason == "tool_calls"
+    [call] = r.choices[0].message.tool_calls
+    assert_valid_call(call.function.name, call.function.arguments)
+    _, calls, finish, _, _ = collect_stream(client.chat.completions.create(stream=True, **kwargs))
+    [streamed] = calls[0].values()
+    assert finish[0] == "tool_calls"
+    assert (streamed["name"], streamed["arguments"]) == (call.function.name, call.function.arguments)
+    assert streamed["id"].startswith("call_")
+
+
+def test_auto_tool_choice_parses_tool_call_markup(client):
+    kwargs = dict(
+        model="chat",
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=TOOLS,
+        max_tokens=60,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": TOOL_MARKUP_REGEX}},
+    )
+    r = client.chat.completions.create(**kwargs)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me check."
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert_valid_call(call.function.name, call.function.arguments)
+
+    content, calls, finish, _, chunks = collect_stream(client.chat.completions.create(stream=True, **kwargs))
+    assert content[0] == "Let me check." and finish[0] == "tool_calls"
+    assert calls[0][0]["name"] == "get_weather" and calls[0][0]["arguments"] == call.function.arguments
+    fragments = [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(fragments) > 2  # the name first, then the arguments as they are generated
+    assert "<tool_call>" not in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_tool_result_conversation(client, tokenizer):
+    first = client.chat.completions.create(
+        model="chat",
+        messages=[{"role": "user", "content": "Weather in Lima for 2 days?"}],
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=80,
+        temperature=0,
+    )
+    call = first.choices[0].message.tool_calls[0]
+    messages = [
+        {"role": "system", "content": "You are a weather bot."},
+        {"role": "user", "content": "Weather in Lima for 2 days?"},
+        first.choices[0].message.model_dump(exclude_none=True),  # echoed back as SDK users do
+        {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny", "high_c": 24}'},
+    ]
+    r = client.chat.completions.create(
+        model="chat", messages=messages, tools=TOOLS, max_tokens=8, temperature=0
+    )
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    template_messages = messages[:2] + [
+        {"role": "assistant", "content": "", "tool_calls": [call.model_dump()]},
+        messages[3],
+    ]
+    assert r.usage.prompt_tokens == prompt_tokens(tokenizer, template_messages, TOOLS)
+
+
+def test_stream_parser_matches_whole_text_parse():
+    text = 'Sure.\n<tool_call>\n{"name": "a", "arguments": {"x": "}", "y": [1, {"z": 2}]}}\n</tool_call>\n'
+    text += '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>'
+    content, calls = parse_tool_calls(text)
+    for step in (1, 3, 7):
+        parser, events = ToolCallStreamParser(), []
+        for i in range(0, len(text), step):
+            events += parser.feed(text[i : i + step])
+        events += parser.finish()
+        streamed_content = "".join(e.text for e in events if hasattr(e, "text"))
+        args = ["".join(e.arguments for e in events if getattr(e, "index", None) == k) for k in (0, 1)]
+        names = [e.name for e in events if getattr(e, "name", None)]
+        assert streamed_content == content == "Sure."
+        assert names == [c.name for c in calls] == ["a", "b"]
+        assert args == [c.arguments for c in calls] == ['{"x": "}", "y": [1, {"z": 2}]}', "{}"]
+    assert parse_tool_calls("no calls <tool_call> not json </tool_call>") == (
+        "no calls <tool_call> not json </tool_call>",
+        [],
+    )
+
+
+# -- completions, embeddings, models -------------------------------------------------------------
+
+
+def test_completions(client, tokenizer):
+    r = client.completions.create(model="chat", prompt="The sea is", max_tokens=5, temperature=0, logprobs=2)
+    assert r.object == "text_completion" and len(r.choices) == 1
+    assert r.usage.prompt_tokens == len(tokenizer.encode("The sea is", add_special_tokens=False))
+    assert r.usage.completion_tokens == len(r.choices[0].logprobs.tokens)
+    assert all(len(top) <= 2 for top in r.choices[0].logprobs.top_logprobs)
+
+    stream = client.completions.create(
+        model="chat", prompt="The sea is", max_tokens=5, temperature=0, stream=True
+    )
+    pieces = [c.choices[0].text for c in stream if c.choices]
+    assert "".join(pieces) == r.choices[0].text
+
+    batch = client.completions.create(model="reasoning", prompt=["One", "Two"], max_tokens=3, n=2, echo=True)
+    assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
+    assert all(c.text.startswith("One" if c.index < 2 else "Two") for c in batch.choices)
+
+
+def test_embeddings_place_related_sentences_closer(client):
+    texts = [
+        "A man is playing a guitar.",
+        "Someone is playing music on an instrument.",
+        "Interest rates rose.",
+    ]
+    r = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts)  # the SDK asks for base64
+    vectors = np.array([d.embedding for d in sorted(r.data, key=lambda d: d.index)])
+    assert vectors.shape == (3, 384)
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-4)
+    related, unrelated = vectors[0] @ vectors[1], vectors[0] @ vectors[2]
+    assert related > unrelated + 0.2
+    assert r.usage.prompt_tokens == r.usage.total_tokens > 0
+    floats = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts[0], encoding_format="float")
+    assert np.allclose(floats.data[0].embedding, vectors[0], atol=1e-6)
+
+
+def test_models_list_and_retrieve(client):
+    ids = [m.id for m in client.models.list()]
+    assert ids == ["raylane-llama-tiny", "reasoning", "all-MiniLM-L6-v2"]
+    model = client.models.retrieve("reasoning")
+    assert model.id == "reasoning" and model.object == "model" and model.owned_by == "raylane"
+
+
+# -- disconnects ---------------------------------------------------------------------------------
+
+
+def wait_for(predicate, timeout: float = 20.0, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+def test_disconnect_mid_stream_frees_the_kv_cache(client, api_server):
+    idle = api_server.pool_stats("chat")
+    assert idle["num_requests_running"] == 0
+    stream = client.chat.completions.create(
+        model="chat",
+        messages=HELLO,
+        max_tokens=1500,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    received = 0
+    for chunk in stream:
+        received += bool(chunk.choices and chunk.choices[0].delta.content)
+        if received == 5:
+            break
+    busy = api_server.pool_stats("chat")
+    assert busy["num_requests_running"] == 1 and busy["kv_cache_usage"] > idle["kv_cache_usage"]
+    stream.close()  # the client goes away mid-stream
+    after = wait_for(
+        lambda: (s := api_server.pool_stats("chat"))["num_requests_running"] == 0 and s, timeout=20
+    )
+    assert after, "the abandoned request is still running"
+    assert after["kv_cache_usage"] == idle["kv_cache_usage"]
+    assert after["num_free_kv_blocks"] == idle["num_free_kv_blocks"]
+
+
+def test_disconnect_while_waiting_for_a_whole_response_aborts_it(api_server):
+    import httpx2
+
+    # 2000 tokens take this pool about 4 s: the request ending within 2.5 s means it was aborted.
+    body = {"model": "chat", "messages": HELLO, "max_tokens": 2000, "ignore_eos": True}
+    start = time.monotonic()
+    with pytest.raises(httpx2.TimeoutException):
+        httpx2.post(f"{api_server.base_url}/chat/completions", json=body, timeout=1.0)
+    after = wait_for(
+        lambda: (s := api_server.pool_stats("chat"))["num_requests_running"] == 0 and s,
+        timeout=1.5,
+        interval=0.1,
+    )
+    print(f"stopped {time.monotonic() - start:.2f} s after it started")
+    assert after, "the abandoned request is still running"
+    assert after["kv_cache_usage"] == 0.0
+
+
+def test_health_reports_each_pool(api_server):
+    import httpx2
+
+    r = httpx2.get(f"{api_server.url}/health", timeout=30)
+    assert r.status_code == 200
+    body = r.json()
+    assert body["status"] == "ok" and set(body["pools"]) == {"chat", "reasoning"}
+    assert all(p["status"] == "ok" for p in body["pools"].values())
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_raylane_serve_runs_the_embedded_default_until_ctrl_c(demo_models):
+    """The README's main command on a machine with the demo models: a fresh Ray, three pools, and
+    nothing left running after Ctrl-C."""
+    from tests.integration.conftest import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAYLANE_DEMO_DIR"] = str(next(iter(demo_models.values())).parent)  # already written: no download
+    command = [str(Path(sys.executable).with_name("raylane")), "serve", "--port", str(port)]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        ready = wait_for(
+            lambda: any("OpenAI API at" in line for line in list(lines)), timeout=150, interval=0.5
+        )
+        assert ready, "".join(lines[-30:])
+        url = next(line for line in lines if "OpenAI API at" in line).split(" at ", 1)[1].split()[0]
+        assert url == f"http://127.0.0.1:{port}/v1"
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list()] == ["coding", "reasoning", "chat", "all-MiniLM-L6-v2"]
+        r = client.chat.completions.create(model="reasoning", messages=HELLO, max_tokens=4)
+        assert r.usage.completion_tokens == 4
+        started = descendants(proc.pid)
+        assert len(started) > 5  # gcs, raylet, Serve's controller and proxy, the replicas, ...
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=90) == 0
+        assert wait_for(lambda: not [p for p in started if alive(p)], timeout=15), [
+            p for p in started if alive(p)
+        ]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(timeout=5)
+    assert "raylane: stopped" in "".join(lines)

@@ -1,0 +1,191 @@
+"""ClusterConfig: the embedded default, YAML loading, errors that name the field, and the Serve
+options (placement-group bundles, replicas, autoscaling) a pool turns into."""
+
+import argparse
+import textwrap
+
+import pytest
+
+from cluster.config import DEFAULT_CONFIG_PATH, ClusterConfig, ConfigError, PoolConfig, default_config
+from cluster.demo_models import default_demo_dir
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def pool(name="chat", **fields) -> dict:
+    return {"name": name, "model": "demo:raylane-llama-tiny", **fields}
+
+
+def test_default_config_serves_the_demo_models_as_three_pools():
+    config = default_config()
+    assert [p.name for p in config.pools] == ["coding", "reasoning", "chat"]
+    assert {p.name: p.demo_model for p in config.pools}["reasoning"] == "raylane-qwen3-moe-tiny"
+    assert [p.model_id for p in config.pools] == ["coding", "reasoning", "chat"]
+    chat = config.pool("chat")
+    assert chat.model_path() == str(default_demo_dir() / "raylane-llama-tiny")
+    engine = chat.engine_config()
+    assert engine.model == engine.tokenizer == chat.model_path()
+    assert chat.engine.cpus_per_rank <= 0.5  # three pools and a gateway fit on two cores
+    assert (config.http.host, config.http.port) == ("127.0.0.1", 8000)
+
+
+def test_checkpoint_paths_are_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    relative = PoolConfig.model_validate(pool(model="models/llama"))
+    assert relative.model_path() == relative.engine_config().model == str(tmp_path / "models/llama")
+    home = PoolConfig.model_validate(pool(model="~/ckpt"))
+    assert not home.model_path().startswith("~")
+
+
+def test_yaml_round_trip(tmp_path):
+    config = default_config()
+    again = ClusterConfig.from_yaml(write(tmp_path, config.to_yaml()))
+    assert again == config
+
+
+def test_errors_name_the_field(tmp_path):
+    path = write(
+        tmp_path,
+        """
+        pools:
+          - name: chat
+            model: demo:raylane-llama-tiny
+          - name: reasoning
+            model: demo:raylane-qwen3-moe-tiny
+            replicas: {min_replicas: 3, max_replicas: 0}
+            engine: {max_num_seqs: many}
+        http: {port: 99999}
+        colour: blue
+        """,
+    )
+    with pytest.raises(ConfigError) as error:
+        ClusterConfig.from_yaml(path)
+    message = str(error.value)
+    assert str(path) in message
+    assert "pools[1] (reasoning).replicas.max_replicas:" in message
+    assert "pools[1] (reasoning).engine.max_num_seqs:" in message
+    assert "http.port:" in message
+    assert "colour: unknown field" in message
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        ClusterConfig.from_yaml(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        ClusterConfig.from_yaml(write(tmp_path, "pools: [\n"))
+    with pytest.raises(ConfigError, match="pools: Field required"):
+        ClusterConfig.from_yaml(write(tmp_path, ""))
+
+
+@pytest.mark.parametrize(
+    ("pools", "field"),
+    [
+        ([pool(), pool()], "pools[1].name: 'chat' is already used"),
+        ([pool(), pool("b", served_model_name="chat")], "pools[1].served_model_name: 'chat' is already used"),
+        ([pool("auto")], "pools[0].name: 'auto' is reserved"),
+        (
+            [pool(served_model_name="all-MiniLM-L6-v2")],
+            "pools[0].served_model_name: 'all-MiniLM-L6-v2' is reserved",
+        ),
+        ([pool(model="demo:gpt-5")], "pools[0] (chat).model: Value error, unknown demo model"),
+        ([pool(engine={"model": "/elsewhere"})], "engine.model: set the pool's `model` instead"),
+        ([pool(name="Chat Pool")], "pools[0] (Chat Pool).name:"),
+    ],
+)
+def test_pool_mistakes(pools, field):
+    with pytest.raises(ConfigError) as error:
+        ClusterConfig.from_dict({"pools": pools})
+    assert field.replace("Value error, ", "") in str(error.value)
+
+
+def test_router_sections_are_checked_against_pools_and_tiers():
+    routes = [{"name": "chat", "pool": "chat", "fallbacks": ["coding"]}]
+    with pytest.raises(ConfigError, match=r"router.routes\[0\].fallbacks: 'coding' is not a pool"):
+        ClusterConfig.from_dict({"pools": [pool()], "router": {"routes": routes, "default_route": "chat"}})
+    with pytest.raises(ConfigError, match="api_keys.default_tier"):
+        ClusterConfig.from_dict({"pools": [pool()], "api_keys": {"default_tier": "gold"}})
+    # Left out, the router's defaults apply and name the default pools.
+    assert ClusterConfig.from_dict({"pools": [pool()]}).router.default_route == "chat"
+
+
+def test_api_keys_survive_the_trip_to_the_gateway():
+    import pickle
+
+    config = ClusterConfig.from_dict({"pools": [pool()], "api_keys": {"keys": {"sk-secret": "premium"}}})
+    again = pickle.loads(pickle.dumps(config))
+    assert [k.get_secret_value() for k in again.api_keys.keys] == ["sk-secret"]
+
+
+# -- Serve options ----------------------------------------------------------------------------------
+
+
+def options(**fields) -> dict:
+    from deployments.app import pool_deployment_options
+
+    return pool_deployment_options(PoolConfig.model_validate(pool(**fields)))
+
+
+def test_one_rank_runs_in_the_replica_on_its_one_bundle():
+    opts = options(engine={"cpus_per_rank": 0.5})
+    assert opts["name"] == "ModelPool:chat"
+    assert opts["placement_group_bundles"] == [{"CPU": 0.5}]
+    assert opts["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0}
+    assert opts["num_replicas"] == 1 and "autoscaling_config" not in opts
+
+
+def test_ranks_get_one_bundle_each_and_the_replica_shares_the_first():
+    opts = options(
+        engine={
+            "tensor_parallel_size": 2,
+            "expert_parallel_size": 2,
+            "cpus_per_rank": 1,
+            "placement_strategy": "PACK",
+        },
+        use_gpu=True,
+    )
+    bundles = opts["placement_group_bundles"]
+    assert len(bundles) == 4 and all(b["GPU"] == 1 for b in bundles)
+    assert bundles[0]["CPU"] == pytest.approx(1 + opts["ray_actor_options"]["num_cpus"])
+    assert all(b == {"CPU": 1, "GPU": 1} for b in bundles[1:])
+    assert opts["placement_group_strategy"] == "PACK"
+
+
+def test_autoscaling_between_min_and_max():
+    replicas = {
+        "min_replicas": 1,
+        "max_replicas": 4,
+        "target_ongoing_requests": 8,
+        "max_ongoing_requests": 32,
+    }
+    opts = options(replicas=replicas)
+    assert "num_replicas" not in opts and opts["max_ongoing_requests"] == 32
+    auto = opts["autoscaling_config"]
+    assert (auto["min_replicas"], auto["max_replicas"], auto["target_ongoing_requests"]) == (1, 4, 8)
+    with pytest.raises(ConfigError, match="initial_replicas must lie between"):
+        ClusterConfig.from_dict({"pools": [pool(replicas={"max_replicas": 2, "initial_replicas": 5})]})
+
+
+def test_build_app_binds_a_gateway_over_every_pool():
+    from ray.serve import Application
+
+    from deployments.app import build_app
+
+    assert isinstance(build_app(default_config()), Application)
+    assert isinstance(build_app({"pools": [pool()]}), Application)
+    assert isinstance(build_app({"config_path": str(DEFAULT_CONFIG_PATH)}), Application)  # Serve `args`
+
+
+def test_serve_command_overrides_host_and_port(tmp_path):
+    from cluster.cli import build_parser
+    from cluster.serve import load_config
+
+    args = build_parser().parse_args(["serve", "--port", "8123"])
+    assert load_config(args).http.port == 8123
+    path = write(tmp_path, "pools: [{name: chat, model: demo:raylane-llama-tiny}]\nhttp: {port: 9000}\n")
+    args = argparse.Namespace(config=str(path), host="0.0.0.0", port=None)
+    config = load_config(args)
+    assert (config.http.host, config.http.port, [p.name for p in config.pools]) == ("0.0.0.0", 9000, ["chat"])
