@@ -5,6 +5,11 @@ token ids), so two requests with the same prefix map their leading blocks to the
 physical blocks. Freed blocks keep their contents and hash and sit in an LRU free queue:
 a later request with the same prefix revives them; a new allocation takes the least
 recently freed block and forgets its hash.
+
+With sliding-window attention (`sliding_window` set) a running request's blocks that lie entirely
+before every future query's window are released as it advances (`free_outside_window`): its block
+table keeps `NULL_BLOCK` in their place, so later positions keep their slots, and the attention mask
+never reads them. KV held per request is then bounded by the window (plus one step's tokens).
 """
 
 import hashlib
@@ -13,6 +18,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.request import Request
+
+NULL_BLOCK = -1  # a block-table entry whose block was released (outside the sliding window)
 
 
 def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
@@ -30,9 +37,16 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+    ):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # chain hash -> block id
@@ -75,9 +89,14 @@ class BlockManager:
             self.prefix_cache_hits += min(len(hits) * self.block_size, request.num_prompt_tokens)
         return hits
 
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
     def allocate_slots(self, request: Request, num_new_tokens: int, computed: list[int] = ()) -> bool:
         """Give the request blocks for `num_new_tokens` beyond what it has computed (plus the
         cached blocks in `computed` on its first scheduling). False when blocks run out."""
+        self.free_outside_window(request)
         num_needed_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         num_needed = -(-num_needed_tokens // self.block_size) - len(request.block_ids) - len(computed)
         evictable_computed = sum(1 for b in computed if self.blocks[b].ref_count == 0)
@@ -110,19 +129,39 @@ class BlockManager:
         self._update_hashes(request, request.num_computed_tokens)
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
         for i in range(num_full):
+            if request.block_ids[i] == NULL_BLOCK:  # published before it left the window
+                continue
             block = self.blocks[request.block_ids[i]]
             if block.block_hash is None:
                 block.block_hash = request.block_hashes[i]
                 self.cached.setdefault(block.block_hash, block.block_id)
 
+    def free_outside_window(self, request: Request) -> None:
+        """Release the leading blocks no future query of the request can attend to.
+
+        The earliest query still to come is at position num_computed_tokens (rejected speculative
+        tokens never roll back below it), and it sees keys after position num_computed - window.
+        """
+        if self.sliding_window is None:
+            return
+        num_dead = (request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        for i in range(min(num_dead, len(request.block_ids))):
+            if request.block_ids[i] != NULL_BLOCK:
+                self._release(request.block_ids[i])
+                request.block_ids[i] = NULL_BLOCK
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_queue[block_id] = None
+
     def free(self, request: Request) -> None:
         """Release the request's blocks. Tail blocks go to the LRU end first, so they are
         evicted before the shared prefix blocks at the head."""
         for block_id in reversed(request.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
+            if block_id != NULL_BLOCK:
+                self._release(block_id)
         request.block_ids.clear()
 
     def reset_prefix_cache(self) -> None:

@@ -5,6 +5,29 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding, vLLM's keys: a proposer drafts tokens that one target forward verifies."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["ngram", "draft_model"] = Field(
+        description="ngram: prompt lookup (drafts copy what followed the latest earlier occurrence of the "
+        "context's last n tokens); draft_model: a smaller checkpoint with the same tokenizer drafts."
+    )
+    num_speculative_tokens: int = Field(ge=1, le=16, description="Draft tokens verified per step.")
+    prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest suffix looked up.")
+    prompt_lookup_min: int = Field(2, ge=1, description="ngram: shortest suffix looked up.")
+    model: str | None = Field(None, description="draft_model: the draft checkpoint directory.")
+
+    @model_validator(mode="after")
+    def _method_settings(self) -> "SpeculativeConfig":
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model: the draft_model method needs a draft checkpoint")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("speculative_config.prompt_lookup_min: must be <= prompt_lookup_max")
+        return self
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -14,6 +37,14 @@ class EngineConfig(BaseModel):
         "auto", description="Weights/activations dtype. auto: the checkpoint's dtype on GPU, float32 on CPU."
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available.")
+    quantization: Literal["int8"] | None = Field(
+        None,
+        description="int8: weight-only int8 (per-output-channel scales) for the attention and MLP linears, "
+        "quantized from the fp checkpoint at load time; embeddings and LM head stay in `dtype`.",
+    )
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description="Speculative decoding (ngram prompt lookup or a draft model); None: off."
+    )
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV cache block.")
     max_num_seqs: int = Field(64, ge=1, description="Most requests in one batch.")
     max_num_batched_tokens: int = Field(

@@ -25,6 +25,8 @@ from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.spec_decode import RejectionSampler, SpecDecodeStats, make_proposer
+from models.decoder import sliding_window_of
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +89,16 @@ class LLMEngine:
             self.executor.num_blocks * config.block_size,
         )
         self.block_manager = BlockManager(
-            self.executor.num_blocks, config.block_size, config.enable_prefix_caching
+            self.executor.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            sliding_window=sliding_window_of(self.hf_config),
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        self.proposer = make_proposer(config, self.executor.num_blocks, self.vocab_size)
+        self.rejection_sampler = RejectionSampler(self.sampler.generator)
+        self.spec_decode_stats = SpecDecodeStats()
         self.parents: dict[str, ParentRequest] = {}
         self._structured = None
         self._ids = itertools.count()
@@ -199,37 +207,70 @@ class LLMEngine:
     # -- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         if not scheduled.requests:
             return []
         batch, sampling = self._prepare_input(scheduled)
         logits = self._execute(batch)
         for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
-            request.num_computed_tokens += num_new
+            # Drafts count as computed only once verified (below).
+            request.num_computed_tokens += num_new - len(request.spec_token_ids)
             self.block_manager.cache_full_blocks(request)
+            self.block_manager.free_outside_window(request)
         touched: dict[str, ParentRequest] = {}
-        if sampling:
-            self._apply_grammar(logits, sampling)
-            sampled = self.sampler(logits, sampling)
-            for row, request in enumerate(sampling):
-                self._append_token(request, sampled.token_ids[row], sampled.logprobs[row])
-                touched[self._parent_id(request)] = self.parents[self._parent_id(request)]
+        plain = [(row, r) for row, r in sampling if not r.spec_token_ids]
+        if plain:
+            rows = [row for row, _ in plain]
+            requests = [r for _, r in plain]
+            plain_logits = logits[rows] if len(rows) < logits.shape[0] else logits
+            self._apply_grammar(plain_logits, requests)
+            sampled = self.sampler(plain_logits, requests)
+            for i, request in enumerate(requests):
+                self._append_token(request, sampled.token_ids[i], sampled.logprobs[i])
+        for row, request in sampling:
+            if request.spec_token_ids:
+                self._verify_drafts(request, logits[row : row + len(request.spec_token_ids) + 1])
+        for _, request in sampling:
+            touched[self._parent_id(request)] = self.parents[self._parent_id(request)]
         return [out for p in touched.values() if (out := self._make_output(p)) is not None]
 
-    def _prepare_input(self, scheduled: SchedulerOutput) -> tuple[ModelInput, list[Request]]:
+    def _verify_drafts(self, request: Request, logits: torch.Tensor) -> None:
+        """Keep the accepted drafts and the target's next token; roll the rejected drafts' KV back."""
+        drafts, draft_probs = request.spec_token_ids, request.spec_draft_probs
+        request.spec_token_ids, request.spec_draft_probs = [], None
+        tokens = self.rejection_sampler(logits, drafts, draft_probs, request)
+        num_accepted = len(tokens) - 1
+        self.spec_decode_stats.observe(len(drafts), num_accepted)
+        for token in tokens:
+            self._append_token(request, token, None)
+            if request.status.finished:
+                return
+        # The accepted drafts' KV is the verified tokens' KV; the rejected ones' slots get overwritten.
+        request.num_computed_tokens += num_accepted
+        self.block_manager.cache_full_blocks(request)
+        self.block_manager.free_outside_window(request)
+
+    def _prepare_input(self, scheduled: SchedulerOutput) -> tuple[ModelInput, list[tuple[int, Request]]]:
+        """The step's batch, and (first logits row, request) of every request that samples: one row,
+        or 1 + k consecutive rows for a request verifying k drafts."""
         batch = ModelInput([], [], [], [], [], [])
-        sampling: list[Request] = []
+        sampling: list[tuple[int, Request]] = []
         for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
             start = request.num_computed_tokens
             end = start + num_new
-            batch.token_ids.extend(request.all_token_ids[start:end])
+            drafts = request.spec_token_ids
+            batch.token_ids.extend(request.all_token_ids[start : end - len(drafts)])
+            batch.token_ids.extend(drafts)
             batch.positions.extend(range(start, end))
             batch.block_tables.append(request.block_ids)
             batch.context_lens.append(end)
             batch.query_lens.append(num_new)
-            if end == request.num_tokens:  # the prompt (or recompute) is done: sample the next token
-                batch.sample_indices.append(len(batch.token_ids) - 1)
-                sampling.append(request)
+            if end - len(drafts) == request.num_tokens:  # the prompt (or recompute) is done: sample
+                sampling.append((len(batch.sample_indices), request))
+                last = len(batch.token_ids) - 1
+                batch.sample_indices.extend(range(last - len(drafts), last + 1))
         return batch, sampling
 
     def _execute(self, batch: ModelInput) -> torch.Tensor:
@@ -288,6 +329,8 @@ class LLMEngine:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish(request, status)
+        if self.proposer is not None:
+            self.proposer.free(request)
         parent = self.parents[self._parent_id(request)]
         detok = parent.detokenizers[parent.children.index(request)]
         if detok is not None and detok.stopped_by is None:

@@ -53,7 +53,9 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, AutoConfig.from_pretrained(config.model), self.device)
-        self.model, self.hf_config = load_model(config.model, dtype=self.dtype, device=self.device)
+        self.model, self.hf_config = load_model(
+            config.model, dtype=self.dtype, device=self.device, quantization=config.quantization
+        )
         self.block_size = config.block_size
         self.num_blocks = 0  # until allocate_kv_cache
 

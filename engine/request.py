@@ -48,6 +48,10 @@ class Request:
     grammar: Any = None  # a structured-output matcher state when the request is constrained
     logprobs: list = field(default_factory=list)
     first_token_time: float | None = None
+    # Speculative decoding: this step's unverified draft tokens (never in all_token_ids) and, from a
+    # draft model, the distributions they were drawn from ([k, vocab]; None: one-hot/greedy).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: Any = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

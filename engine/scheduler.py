@@ -1,10 +1,11 @@
 """One scheduling loop with no separate prefill and decode phases (vLLM V1's shape).
 
-Each step spends a token budget: running requests first (a decode costs one token, an
-unfinished prefill its next chunk), then waiting requests in (priority, arrival) order,
-their prompts chunked to what is left of the budget. When KV blocks run out, the running
-request that is lowest in priority and newest is preempted: its blocks are freed and it
-is recomputed later (its prefix usually comes back from the prefix cache).
+Each step spends a token budget: running requests first (a decode costs one token, or 1 + k
+with k speculative draft tokens to verify, an unfinished prefill its next chunk), then waiting
+requests in (priority, arrival) order, their prompts chunked to what is left of the budget.
+When KV blocks run out, the running request that is lowest in priority and newest is
+preempted: its blocks are freed and it is recomputed later (its prefix usually comes back
+from the prefix cache).
 """
 
 import heapq
@@ -79,7 +80,7 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._trim_drafts(request, budget)
             if not self._allocate_or_preempt(request, num_new, out):
                 continue
             out.requests.append(request)
@@ -88,6 +89,18 @@ class Scheduler:
         if not out.preempted:  # after a preemption, memory is too tight to admit more
             budget = self._schedule_waiting(out, budget)
         return out
+
+    @staticmethod
+    def _trim_drafts(request: Request, budget: int) -> int:
+        """Tokens to compute: what is left plus the draft tokens, the drafts cut to fit the budget."""
+        num_left = request.num_tokens - request.num_computed_tokens
+        num_new = min(num_left + len(request.spec_token_ids), budget)
+        num_drafts = max(0, num_new - num_left)
+        if num_drafts < len(request.spec_token_ids):
+            del request.spec_token_ids[num_drafts:]
+            if request.spec_draft_probs is not None:
+                request.spec_draft_probs = request.spec_draft_probs[:num_drafts]
+        return num_new
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.block_manager.allocate_slots(request, num_new):
@@ -103,6 +116,7 @@ class Scheduler:
             i = out.requests.index(request)
             del out.requests[i], out.num_new_tokens[i]
         self.block_manager.free(request)
+        request.spec_token_ids, request.spec_draft_probs = [], None
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -54,7 +54,8 @@ def build_attention_metadata(
     kv_pos = torch.arange(max_kv)
     # Cache slot of every context position: block_tables[i][pos // bs] * bs + pos % bs.
     width = max(len(t) for t in block_tables)
-    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables])
+    # Released blocks (-1, outside the sliding window) read block 0: the mask never lets them through.
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables]).clamp(min=0)
     block_idx = (kv_pos // block_size).clamp(max=width - 1).expand(num_seqs, -1)
     kv_slots = tables.gather(1, block_idx) * block_size + kv_pos % block_size
     kv_slots = torch.where(kv_pos < ctx[:, None], kv_slots, 0)

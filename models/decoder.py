@@ -188,6 +188,10 @@ class LlamaForCausalLM(DecoderForCausalLM):
     pass
 
 
+class MistralForCausalLM(DecoderForCausalLM):
+    """Llama's layers; its config's `sliding_window` (every layer) is what sets it apart."""
+
+
 class Qwen2ForCausalLM(DecoderForCausalLM):
     qkv_bias, o_bias = True, False
 

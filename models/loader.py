@@ -29,6 +29,7 @@ from models.decoder import DecoderForCausalLM
 from models.registry import get_model_class
 from parallel.layers import default_weight_loader
 from parallel.lazy_weight import LazyWeight
+from parallel.quantization import quantize_model
 
 _EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
 _FUSED_EXPERTS = {".experts.gate_up_proj": ".experts.w13", ".experts.down_proj": ".experts.w2"}
@@ -42,10 +43,14 @@ class MissingWeightError(KeyError):
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    quantization: str | None = None,
 ) -> tuple[DecoderForCausalLM, PreTrainedConfig]:
     """Build the model for `model_dir/config.json` on this rank and load its weights.
 
+    `quantization="int8"` quantizes the linear layers' weights once loaded (parallel/quantization.py).
     Returns (model in eval mode without gradients, the transformers config).
     """
     model_dir = Path(model_dir)
@@ -57,6 +62,8 @@ def load_model(
     with _default_dtype(dtype), torch.device(device):
         model = model_class(config)
     load_weights(model, files)
+    if quantization is not None:
+        quantize_model(model, quantization)
     return model.eval().requires_grad_(False), config
 
 

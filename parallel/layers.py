@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.lazy_weight import LazyWeight, materialize
+from parallel.quantization import int8_linear
 from parallel.state import (
     get_tp_rank,
     get_tp_size,
@@ -71,11 +72,21 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    # "int8" once `parallel.quantization.quantize_linear_` swapped `weight` for `qweight` + `weight_scale`.
+    quantization: str | None = None
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T (+ bias) with this rank's shard, in whatever form the weight is stored."""
+        if self.quantization is None:
+            return F.linear(x, self.weight, bias)
+        y = int8_linear(x, self.qweight, self.weight_scale)
+        return y + bias if bias is not None else y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -109,7 +120,7 @@ class ColumnParallelLinear(LinearBase):
         copy_weight(param.data, loaded_weight.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.bias)
         return tensor_model_parallel_all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -229,7 +240,7 @@ class RowParallelLinear(LinearBase):
         copy_weight(param.data, loaded_weight.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.matmul(x)
         if self.reduce_results:
             y = tensor_model_parallel_all_reduce(y)
         return y + self.bias if self.bias is not None else y
@@ -266,11 +277,24 @@ class VocabParallelEmbedding(nn.Module):
         n = self.vocab_end - self.vocab_start
         copy_weight(param.data[:n], loaded_weight.narrow(0, self.vocab_start, n))
 
+    quantization: str | None = None  # see LinearBase
+
+    def embed(self, local_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantization is None:
+            return F.embedding(local_ids, self.weight)
+        scale = self.weight_scale[local_ids, None]
+        return F.embedding(local_ids, self.qweight).to(scale.dtype) * scale
+
+    def matmul(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.quantization is None:
+            return F.linear(hidden, self.weight)
+        return int8_linear(hidden, self.qweight, self.weight_scale)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.embed(input_ids)
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        y = F.embedding((input_ids - self.vocab_start) * mine, self.weight)
+        y = self.embed((input_ids - self.vocab_start) * mine)
         y = y * mine.unsqueeze(-1).to(y.dtype)
         return tensor_model_parallel_all_reduce(y)
 
@@ -282,5 +306,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     """
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = tensor_model_parallel_all_gather(F.linear(hidden, self.weight), dim=-1)
+        logits = tensor_model_parallel_all_gather(self.matmul(hidden), dim=-1)
         return logits[..., : self.num_embeddings]

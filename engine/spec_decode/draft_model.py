@@ -1,0 +1,119 @@
+"""Draft-model proposer: a smaller checkpoint with the same tokenizer drafts k tokens autoregressively.
+
+The draft runs in the driver process on its own `ModelRunner` (one rank, the engine's device and
+dtype) with its own KV cache and `BlockManager` (no prefix caching), as many blocks as the target
+has, so it has room whenever the target has. Each request has a shadow `Request` there: the tokens
+the draft has computed KV for. Before drafting, that state is cut back to the longest prefix that
+still agrees with the request's verified tokens (rejected drafts roll back here too), then one
+forward catches up on the new tokens and samples the first draft, and k - 1 one-token steps follow.
+Drafts are sampled from the draft's filtered distribution (greedy: argmax), which is recorded as q
+for the rejection sampler.
+"""
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.model_runner import ModelInput, ModelRunner
+from engine.request import Request
+from engine.sampler import _draw, _filter
+from engine.spec_decode.proposer import Proposer, can_speculate, max_drafts
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, config: EngineConfig, num_blocks: int, vocab_size: int, seed: int = 0):
+        spec = config.speculative_config
+        draft_config = config.model_copy(
+            update=dict(
+                model=spec.model,
+                tokenizer=None,
+                speculative_config=None,
+                num_kv_blocks=num_blocks,
+                tensor_parallel_size=1,
+                expert_parallel_size=1,
+                distributed_executor_backend="uni",
+            )
+        )
+        self.k, self.vocab_size = spec.num_speculative_tokens, vocab_size
+        self.runner = ModelRunner(draft_config)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=False)
+        self.shadows: dict[str, Request] = {}
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def propose(self, requests: list[Request]) -> None:
+        drafting: dict[Request, int] = {}
+        for request in requests:
+            request.spec_token_ids, request.spec_draft_probs = [], None
+            k = max_drafts(request, self.k) if can_speculate(request) else 0
+            if k > 0:
+                self._sync(request)
+                drafting[request] = k
+        probs: dict[Request, list[torch.Tensor]] = {r: [] for r in drafting}
+        while drafting:
+            batch, stepping = self._prepare(drafting)
+            if not stepping:
+                break
+            logits = self.runner.execute_model(batch)
+            for row, request in enumerate(stepping):
+                token, q = self._sample(logits[row], request)
+                shadow = self.shadows[request.request_id]
+                shadow.num_computed_tokens = shadow.num_tokens
+                shadow.all_token_ids.append(token)
+                request.spec_token_ids.append(token)
+                probs[request].append(q)
+                if len(request.spec_token_ids) == drafting[request]:
+                    del drafting[request]
+        for request, rows in probs.items():
+            if rows and not request.sampling_params.greedy:
+                request.spec_draft_probs = torch.stack(rows)
+
+    def _sync(self, request: Request) -> None:
+        """Cut the shadow back to the prefix that matches the request's verified tokens."""
+        shadow = self.shadows.get(request.request_id)
+        if shadow is None:
+            shadow = Request(request.request_id, request.prompt_token_ids, request.sampling_params)
+            self.shadows[request.request_id] = shadow
+        ours, theirs = shadow.all_token_ids, request.all_token_ids
+        n = min(shadow.num_computed_tokens, len(theirs) - 1)
+        agree = next((i for i in range(n) if ours[i] != theirs[i]), n)
+        shadow.num_computed_tokens = agree
+        shadow.all_token_ids = list(theirs)
+
+    def _prepare(self, drafting: dict[Request, int]) -> tuple[ModelInput, list[Request]]:
+        batch, stepping = ModelInput([], [], [], [], [], []), []
+        for request in list(drafting):
+            shadow = self.shadows[request.request_id]
+            start, end = shadow.num_computed_tokens, shadow.num_tokens
+            if not self.block_manager.allocate_slots(shadow, end - start):
+                del drafting[request]  # the draft cache is full: keep the drafts made so far
+                continue
+            batch.token_ids.extend(shadow.all_token_ids[start:end])
+            batch.positions.extend(range(start, end))
+            batch.block_tables.append(shadow.block_ids)
+            batch.context_lens.append(end)
+            batch.query_lens.append(end - start)
+            batch.sample_indices.append(len(batch.token_ids) - 1)
+            stepping.append(request)
+        return batch, stepping
+
+    def _sample(self, logits: torch.Tensor, request: Request) -> tuple[int, torch.Tensor | None]:
+        logits = _fit(logits, self.vocab_size)
+        params = request.sampling_params
+        if params.greedy:
+            return int(logits.argmax()), None
+        q = _filter(logits, params)
+        return _draw(q, request.generator or self.generator), q
+
+    def free(self, request: Request) -> None:
+        shadow = self.shadows.pop(request.request_id, None)
+        if shadow is not None:
+            self.block_manager.free(shadow)
+
+
+def _fit(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The draft's logits over the target's vocabulary (padding rows differ between checkpoints)."""
+    if logits.shape[-1] >= vocab_size:
+        return logits[..., :vocab_size]
+    pad = logits.new_full((*logits.shape[:-1], vocab_size - logits.shape[-1]), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)
