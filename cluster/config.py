@@ -93,6 +93,18 @@ class PoolConfig(_Strict):
         False, description="Reserve one GPU per rank (set on GPU nodes); implied by engine.device: cuda."
     )
     max_n: int = Field(16, ge=1, le=128, description="Largest `n` (choices per request) the pool accepts.")
+    max_in_flight: int | None = Field(
+        None,
+        ge=1,
+        description="Requests each gateway replica sends this pool at once; more wait in (priority, "
+        "arrival) order. Default: router.default_max_in_flight.",
+    )
+    max_waiting: int | None = Field(
+        None,
+        ge=0,
+        description="Requests (all tiers) that may wait for this pool in each gateway replica; "
+        "default: router.default_max_waiting.",
+    )
     health_check_period_s: float = Field(10.0, gt=0, description="Seconds between replica health checks.")
     health_check_timeout_s: float = Field(30.0, gt=0, description="A health check slower than this fails.")
 
@@ -181,6 +193,12 @@ class GatewayConfig(_Strict):
     num_replicas: int = Field(1, ge=1, description="Gateway replicas (each is cheap: it only forwards).")
     num_cpus: float = Field(0.1, ge=0, description="CPUs each gateway replica reserves.")
     max_ongoing_requests: int = Field(1000, ge=1, description="Requests one gateway replica holds at once.")
+    pool_health_period_s: float = Field(
+        5.0,
+        gt=0,
+        description="Seconds between the gateway's checks of each pool; a pool that does not "
+        "answer is skipped (its route falls back) until it answers again.",
+    )
 
 
 class EmbeddingsConfig(_Strict):

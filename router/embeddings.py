@@ -36,5 +36,6 @@ def embed(texts: list[str], batch_size: int = 32) -> np.ndarray:
 
 def count_tokens(texts: list[str]) -> list[int]:
     """Tokens each text uses in the embedding model (for exact `usage` of /v1/embeddings)."""
-    tokenizer = _model().tokenizer
-    return [len(ids) for ids in tokenizer(texts, truncation=True, max_length=_model().max_seq_length)["input_ids"]]
+    model = _model()
+    encoded = model.tokenizer(texts, truncation=True, max_length=model.max_seq_length)
+    return [len(ids) for ids in encoded["input_ids"]]

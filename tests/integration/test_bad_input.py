@@ -173,7 +173,7 @@ class _DyingEngine:
     def __init__(self, tokens_before_death: int):
         self.tokens_before_death = tokens_before_death
 
-    async def generate(self, prompt, params, request_id=None):
+    async def generate(self, prompt, params, request_id=None, priority=0):
         from engine import EngineDeadError, RequestOutput
         from engine.outputs import CompletionOutput
 

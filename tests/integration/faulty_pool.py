@@ -1,0 +1,37 @@
+"""A `ModelPool` whose failures a test switches on and off (shipped to replicas by value)."""
+
+import asyncio
+
+from deployments.model_pool import ModelPool
+
+
+class FaultyPool(ModelPool):
+    """fault None: a normal pool; "hold": requests wait (holding their gateway slot) until the fault
+    is cleared; "error": requests fail before their first item; "down": stats fail too, as a pool
+    without a live replica looks to the gateway."""
+
+    fault: str | None = None
+
+    def set_fault(self, fault: str | None) -> None:
+        self.fault = fault
+
+    async def _gate(self) -> None:
+        while self.fault == "hold":
+            await asyncio.sleep(0.05)
+        if self.fault in ("error", "down"):
+            raise RuntimeError(f"injected fault: {self.fault}")
+
+    async def chat(self, *args, **kwargs):
+        await self._gate()
+        async for item in super().chat(*args, **kwargs):
+            yield item
+
+    async def completions(self, *args, **kwargs):
+        await self._gate()
+        async for item in super().completions(*args, **kwargs):
+            yield item
+
+    async def stats(self) -> dict:
+        if self.fault == "down":
+            raise RuntimeError("injected fault: down")
+        return await super().stats()

@@ -1,0 +1,174 @@
+"""The router in the live gateway: keys and tiers, `auto`, admission order, shedding, fallback and
+circuit breakers, as a client sees them (status codes and `x-raylane-*` headers).
+
+The app is `router_server` (tests/integration/conftest.py): pools `coding` -> chat, `reasoning`
+(64-token context) -> chat, `chat` (one request at a time); tiers premium < standard < free (free is
+sheddable with no queue). No test asserts a duration: waits poll the gateway's /health.
+"""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx2
+import pytest
+
+from tests.integration.conftest import ROUTER_KEYS
+
+HI = [{"role": "user", "content": "hi"}]
+TIMEOUT_S = 180
+
+
+@pytest.fixture(scope="module")
+def server(router_server):
+    yield router_server
+    for pool in ("coding", "reasoning", "chat"):  # leave no fault behind, even after a failure
+        router_server.set_fault(pool, None)
+
+
+def chat(server, model: str, tier: str | None = "premium", messages=HI, **body) -> httpx2.Response:
+    headers = {"Authorization": f"Bearer {ROUTER_KEYS[tier]}"} if tier else {}
+    body = {"model": model, "messages": messages, "max_tokens": 4} | body
+    return httpx2.post(f"{server.base_url}/chat/completions", json=body, headers=headers, timeout=TIMEOUT_S)
+
+
+def health(server) -> dict:
+    return httpx2.get(f"{server.url}/health", timeout=60).json()
+
+
+def wait_for(condition, what: str, timeout_s: float = 120):
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return value
+
+
+def load(server, pool: str) -> dict:
+    return health(server)["router"]["pools"][pool]
+
+
+def test_keys_are_required_when_configured(server):
+    for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"x-api-key": "nope"}):
+        r = httpx2.post(
+            f"{server.base_url}/chat/completions",
+            json={"model": "chat", "messages": HI, "max_tokens": 4},
+            headers=headers,
+            timeout=TIMEOUT_S,
+        )
+        assert r.status_code == 401, r.text
+        assert r.json()["error"]["type"] == "authentication_error"
+    r = chat(server, "chat", tier="standard")
+    assert r.status_code == 200, r.text
+    assert r.headers["x-raylane-route"] == "chat" and r.headers["x-raylane-pool"] == "chat"
+    assert r.headers["x-raylane-tier"] == "standard" and "x-raylane-fallback" not in r.headers
+
+
+def test_auto_sends_a_coding_prompt_to_the_coding_pool(server):
+    import openai
+
+    client = openai.OpenAI(
+        base_url=server.base_url, api_key=ROUTER_KEYS["premium"], max_retries=0, timeout=120
+    )
+    prompt = "Write a Python function that parses a CSV file and returns its rows as a list of dicts."
+    for model in ("auto", "raylane-auto"):
+        raw = client.chat.completions.with_raw_response.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=4
+        )
+        assert raw.headers["x-raylane-route"] == "coding" and raw.headers["x-raylane-pool"] == "coding"
+        assert raw.headers["x-raylane-tier"] == "premium"
+        assert raw.parse().choices[0].message is not None
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-17", messages=HI, max_tokens=4)
+
+
+def test_premium_queued_behind_standard_requests_starts_first(server):
+    server.set_fault("chat", "hold")  # the first request holds chat's only slot until released
+    finished: list[str] = []
+    lock = threading.Lock()
+
+    def send(name: str, tier: str) -> httpx2.Response:
+        r = chat(server, "chat", tier=tier)
+        with lock:
+            finished.append(name)
+        return r
+
+    with ThreadPoolExecutor(4) as pool:
+        try:
+            futures = {"A": pool.submit(send, "A", "standard")}
+            wait_for(lambda: load(server, "chat")["in_flight"] == 1, "A to take chat's slot")
+            futures |= {name: pool.submit(send, name, "standard") for name in ("B1", "B2")}
+            wait_for(lambda: load(server, "chat")["waiting"] == 2, "B1 and B2 to queue")
+            futures["C"] = pool.submit(send, "C", "premium")
+            wait_for(lambda: load(server, "chat")["waiting"] == 3, "C to queue")
+        finally:
+            server.set_fault("chat", None)
+        responses = {name: f.result() for name, f in futures.items()}
+    assert all(r.status_code == 200 for r in responses.values()), {n: r.text for n, r in responses.items()}
+    assert finished.index("C") < finished.index("B1") and finished.index("C") < finished.index("B2"), finished
+    assert responses["C"].headers["x-raylane-tier"] == "premium"
+
+
+def test_sheddable_tier_past_its_budget_gets_429_while_premium_completes(server):
+    server.set_fault("chat", "hold")
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            premium = pool.submit(chat, server, "chat", "premium")
+            wait_for(lambda: load(server, "chat")["in_flight"] == 1, "premium to take chat's slot")
+            r = chat(server, "chat", tier="free")
+        finally:
+            server.set_fault("chat", None)
+        assert r.status_code == 429, r.text
+        assert int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["code"] == "overloaded"
+        assert r.headers["x-raylane-tier"] == "free" and r.headers["x-raylane-route"] == "chat"
+        assert premium.result().status_code == 200
+
+
+def test_a_pool_that_stops_answering_sends_its_route_down_the_fallback_chain(server):
+    server.set_fault("coding", "down")
+    try:
+        wait_for(lambda: health(server)["pools"]["coding"]["status"] == "unavailable", "coding to look down")
+        r = chat(server, "coding")
+        assert r.status_code == 200, r.text
+        assert r.headers["x-raylane-route"] == "coding" and r.headers["x-raylane-pool"] == "chat"
+        assert r.headers["x-raylane-fallback"] == "coding;reason=unhealthy"
+    finally:
+        server.set_fault("coding", None)
+    wait_for(lambda: health(server)["pools"]["coding"]["status"] == "ok", "coding to answer again")
+    r = chat(server, "coding")
+    assert r.headers["x-raylane-pool"] == "coding" and "x-raylane-fallback" not in r.headers
+
+
+def test_errors_open_the_circuit_and_a_successful_probe_closes_it(server):
+    server.set_fault("coding", "error")
+    try:
+        for _ in range(2):  # failure_threshold = 2
+            r = chat(server, "coding")
+            assert r.status_code == 200, r.text
+            assert r.headers["x-raylane-pool"] == "chat"
+            assert r.headers["x-raylane-fallback"] == "coding;reason=error"
+        r = chat(server, "coding")
+        assert r.headers["x-raylane-pool"] == "chat"
+        assert r.headers["x-raylane-fallback"] == "coding;reason=circuit_open"
+    finally:
+        server.set_fault("coding", None)
+    # After the cool-down one probe goes to coding; it succeeds, so the circuit closes.
+    r = wait_for(
+        lambda: (r := chat(server, "coding")).headers["x-raylane-pool"] == "coding" and r,
+        "the probe to reach coding",
+    )
+    assert r.status_code == 200 and "x-raylane-fallback" not in r.headers
+    assert load(server, "coding")["circuit"] == "closed"
+    assert chat(server, "coding").headers["x-raylane-pool"] == "coding"
+
+
+def test_a_prompt_too_long_for_a_pool_goes_to_one_with_a_longer_context(server):
+    long_prompt = [{"role": "user", "content": " ".join(["tell me about the weather"] * 40)}]
+    r = chat(server, "reasoning", messages=long_prompt)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-raylane-route"] == "reasoning" and r.headers["x-raylane-pool"] == "chat"
+    assert r.headers["x-raylane-fallback"] == "reasoning;reason=context_length"
+    short = chat(server, "reasoning", max_tokens=2)
+    assert short.status_code == 200, short.text
+    assert short.headers["x-raylane-pool"] == "reasoning" and "x-raylane-fallback" not in short.headers

@@ -1,0 +1,48 @@
+"""Which routes the gateway's router gets from a cluster config (deployments/routing.py)."""
+
+from cluster.config import ClusterConfig
+from deployments.routing import effective_router_config, pool_specs
+
+ENGINE = {"max_model_len": 128}
+
+
+def config(pools: list[str], **extra) -> ClusterConfig:
+    return ClusterConfig.from_dict(
+        {"pools": [{"name": n, "model": "demo:raylane-llama-tiny", "engine": ENGINE} for n in pools], **extra}
+    )
+
+
+def test_default_routes_are_trimmed_to_the_pools():
+    routes = effective_router_config(config(["chat", "reasoning"]))
+    assert {r.name: [r.pool, *r.fallbacks] for r in routes.routes} == {
+        "reasoning": ["reasoning", "chat"],
+        "chat": ["chat", "reasoning"],
+    }
+    assert routes.default_route == "chat"
+
+
+def test_default_route_moves_to_a_route_that_is_left():
+    routes = effective_router_config(config(["coding"]))
+    assert [r.name for r in routes.routes] == ["coding"] and routes.routes[0].fallbacks == []
+    assert routes.default_route == "coding"
+
+
+def test_no_route_left_disables_auto():
+    assert effective_router_config(config(["llama"])) is None
+
+
+def test_a_written_router_section_is_used_as_it_is():
+    written = config(["a", "b"], router={"routes": [{"name": "chat", "pool": "a", "fallbacks": ["b"]}]})
+    assert effective_router_config(written) is written.router
+
+
+def test_pool_specs_carry_context_and_capacity():
+    cfg = ClusterConfig.from_dict(
+        {
+            "pools": [
+                {"name": "chat", "model": "demo:raylane-llama-tiny", "engine": ENGINE, "max_in_flight": 2}
+            ]
+        }
+    )
+    (spec,) = pool_specs(cfg)
+    assert (spec.name, spec.max_context_len, spec.max_in_flight, spec.max_waiting) == ("chat", 128, 2, None)
