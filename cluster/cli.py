@@ -14,7 +14,9 @@ SUBCOMMANDS = {
     "generate": ("cluster.generate", "generate text offline with the engine from a local checkpoint"),
     "bench": ("bench.cli", "run a benchmark (engine, ...) and print its table"),
     "serve": ("cluster.serve", "serve the OpenAI-compatible API (Ray Serve) in the foreground"),
+    "k8s": ("cluster.k8s", "render the KubeRay manifests (RayService, RayJobs, ...) of a config"),
     "route": ("cluster.route", "show the semantic router's decisions for prompts, or its accuracy (--eval)"),
+    "status": ("cluster.status", "show the live cluster's pools, replicas, load, tokens/s and errors"),
 }
 
 

@@ -22,6 +22,9 @@ from deployments.model_pool import ModelPool
 APP_NAME = "raylane"
 # At tensor-parallel size > 1 every rank is an actor; the replica itself only schedules and samples.
 REPLICA_DRIVER_CPUS = 0.1
+# A replica being replaced (redeploy, downscale) stops taking requests and finishes the ones in flight,
+# streams included, for up to this long before it is killed (Serve's default, 20 s, cuts long streams).
+DRAIN_TIMEOUT_S = 600.0
 
 
 def pool_deployment_name(pool_name: str) -> str:
@@ -46,6 +49,7 @@ def pool_deployment_options(pool: PoolConfig) -> dict[str, Any]:
         "max_ongoing_requests": replicas.max_ongoing_requests,
         "health_check_period_s": pool.health_check_period_s,
         "health_check_timeout_s": pool.health_check_timeout_s,
+        "graceful_shutdown_timeout_s": DRAIN_TIMEOUT_S,
     }
     if replicas.autoscaling:
         options["autoscaling_config"] = {
@@ -67,6 +71,7 @@ def gateway_deployment_options(config: ClusterConfig) -> dict[str, Any]:
         "num_replicas": config.gateway.num_replicas,
         "ray_actor_options": {"num_cpus": config.gateway.num_cpus},
         "max_ongoing_requests": config.gateway.max_ongoing_requests,
+        "graceful_shutdown_timeout_s": DRAIN_TIMEOUT_S,
     }
 
 

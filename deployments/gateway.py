@@ -1,10 +1,18 @@
 """The OpenAI-compatible ingress (FastAPI on Ray Serve).
 
-Per request: parse and validate the body (any mistake -> 400 naming the parameter), resolve
-`model` (a pool's name or its served id) to the pool's handle, build the `SamplingParams`, and
-forward with `stream=True`. The pool's first item decides the response: an `OpenAIError`, a whole
-JSON response, or the first SSE event of a stream, which is then relayed as it comes. When the
-client goes away, the pool call is cancelled; the pool's generator aborts the engine request.
+Per request: authenticate the API key (-> tier; 401), parse and validate the body (any mistake -> 400
+naming the parameter), resolve `model` with the router (a pool's name or served id, or `auto` /
+`raylane-auto` -> the semantic classifier's route; 404), charge the tier's rate limit (429), take a
+slot in the first pool of the route's fallback chain that can serve (waiting in (priority, arrival)
+order when it is full; 429 + Retry-After past the tier's budget), and forward with `stream=True`
+and the tier's priority. The pool's first item decides the response: an `OpenAIError`, a whole
+JSON response, or the first SSE event of a stream, which is then relayed as it comes. A pool that
+fails before its first item (an error, a 503, a prompt longer than its context window) hands the
+request to the next pool of the chain; after the first item nothing is retried (a failing stream
+ends with an error event). Responses carry `x-raylane-route`, `-pool`, `-tier` and, where it
+happened, `x-raylane-fallback`. When the client goes away, the pool call is cancelled; the pool's
+generator aborts the engine request. A background task checks each pool every
+`gateway.pool_health_period_s`; a pool that does not answer is skipped until it does.
 Embeddings are computed here (MiniLM, from `router.embeddings`), so they need no pool.
 """
 
@@ -22,7 +30,7 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.config import ClusterConfig, PoolConfig
+from cluster.config import ClusterConfig
 from deployments.errors import (
     OpenAIError,
     from_validation_error,
@@ -31,6 +39,7 @@ from deployments.errors import (
     model_not_found,
     unavailable,
 )
+from deployments.metrics import RequestSummary, render_cluster_metrics
 from deployments.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,14 +50,19 @@ from deployments.openai_schemas import (
     ModelList,
     Usage,
 )
+from deployments.request_log import RequestLogMiddleware, note_summary, note_trailing_summary, router_timed
+from deployments.routing import build_router
 from deployments.sampling import chat_params, completion_params
 from engine import EngineDeadError
+from router import DispatchPlan, FallbackReason, Principal, Resolution, RouterError, Slot
+from router.errors import ContextLengthError
 
 logger = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 5.0
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 app = FastAPI(title="raylane", description="OpenAI-compatible API of a raylane cluster", docs_url=None)
+app.add_middleware(RequestLogMiddleware)  # x-request-id, one JSON log line and HTTP metrics per request
 
 
 def error_response(error: OpenAIError, headers: dict | None = None) -> JSONResponse:
@@ -58,6 +72,11 @@ def error_response(error: OpenAIError, headers: dict | None = None) -> JSONRespo
 @app.exception_handler(OpenAIError)
 async def _openai_error(_: Request, error: OpenAIError) -> JSONResponse:
     return error_response(error)
+
+
+@app.exception_handler(RouterError)
+async def _router_error(_: Request, error: RouterError) -> JSONResponse:
+    return JSONResponse(error.to_openai(), status_code=error.status, headers=error.headers())
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -70,6 +89,12 @@ async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse
 async def _unexpected(_: Request, error: Exception) -> JSONResponse:
     logger.exception("unhandled error in the gateway")
     return error_response(internal_error())
+
+
+def is_backpressure(error: BaseException) -> bool:
+    from ray.serve.exceptions import BackPressureError
+
+    return isinstance(error, BackPressureError)
 
 
 def pool_failure(error: BaseException) -> OpenAIError:
@@ -93,22 +118,35 @@ def sse_error(error: OpenAIError) -> str:
     return f"data: {json.dumps(error.to_dict())}\n\n"
 
 
-async def relay(first: str, call):
-    """Relay a pool's SSE events; a failure mid-stream becomes an error event (the SDK raises it)."""
-    finished = False
+async def relay(first: str, call, slot: Slot | None = None, on_done=None):
+    """Relay a pool's SSE events; a failure mid-stream becomes an error event (the SDK raises it).
+    The pool's slot is released when the stream ends; `on_done(events)` then counts usage."""
+    finished, failed, events = False, False, 0
     try:
         yield first
         async for chunk in call:
-            yield chunk if isinstance(chunk, str) else sse_error(pool_failure(chunk))
+            if isinstance(chunk, RequestSummary):  # the pool's closing summary, for the request log
+                note_summary(chunk)
+                continue
+            if not isinstance(chunk, str):
+                failed, chunk = True, sse_error(pool_failure(chunk))
+            elif chunk.startswith('data: {"error"'):
+                failed = True
+            events += 1
+            yield chunk
         finished = True
     except asyncio.CancelledError:
         raise
     except Exception as e:
-        finished = True
+        finished = failed = True
         yield sse_error(pool_failure(e))
     finally:
         if not finished:  # the client went away: stop generating
             call.cancel()
+        if slot is not None:  # after the first token: no retry, only the breaker learns of a failure
+            slot.failed() if failed else slot.succeeded()
+        if on_done is not None:
+            on_done(events)
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
@@ -135,6 +173,13 @@ def _encode_vector(vector, encoding_format: str) -> list[float] | str:
     return vector.tolist()
 
 
+def _total_tokens(body: str) -> int:
+    try:
+        return int(json.loads(body).get("usage", {}).get("total_tokens", 0))
+    except (ValueError, TypeError, AttributeError):
+        return 0
+
+
 # Module helpers come before the class: `serve.ingress` serializes the app's routes when the class is
 # decorated, and names defined after that point would be missing in the replica.
 
@@ -144,30 +189,50 @@ class Gateway:
     def __init__(self, config: ClusterConfig | dict[str, Any], pools: dict[str, Any]):
         self.config = ClusterConfig.model_validate(config)
         self.pools = pools  # pool name -> DeploymentHandle
-        self.routes: dict[str, PoolConfig] = {}
-        for pool in self.config.pools:
-            self.routes[pool.name] = self.routes[pool.model_id] = pool
         self.created = int(time.time())
+        import torch
+
+        torch.set_num_threads(1)  # the classifier's short inputs: a second thread spin-waits on shared cores
+        self.router = build_router(self.config)  # logs loudly when no API key is configured (open mode)
+        self._watcher: asyncio.Task | None = None
 
     # -- endpoints --------------------------------------------------------------------------------
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
+        principal = self.authenticate(request)
         req = await parse_body(request, ChatCompletionRequest)
-        pool = self.route(req.model, req.n)
-        params, plan = chat_params(req)
+        params, tools = chat_params(req)
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        resolution = await router_timed(self.router.resolve_async(req.model, messages))
         request_id = uuid.uuid4().hex
-        call = self.pools[pool.name].options(stream=True).chat.remote(req, params, plan, request_id)
-        return await self.respond(call, bool(req.stream), pool, request_id)
+        return await self.dispatch(
+            principal,
+            resolution,
+            req.n,
+            bool(req.stream),
+            request_id,
+            lambda pool, priority: pool.chat.remote(req, params, tools, request_id, priority),
+        )
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
+        principal = self.authenticate(request)
         req = await parse_body(request, CompletionRequest)
-        pool = self.route(req.model, req.n)
         params = completion_params(req)
+        texts = [p for p in req.prompts() if isinstance(p, str)]
+        resolution = await router_timed(
+            self.router.resolve_async(req.model, [{"role": "user", "content": t} for t in texts])
+        )
         request_id = uuid.uuid4().hex
-        call = self.pools[pool.name].options(stream=True).completions.remote(req, params, request_id)
-        return await self.respond(call, bool(req.stream), pool, request_id)
+        return await self.dispatch(
+            principal,
+            resolution,
+            req.n,
+            bool(req.stream),
+            request_id,
+            lambda pool, priority: pool.completions.remote(req, params, request_id, priority),
+        )
 
     @app.post("/v1/embeddings")
     async def embeddings(self, request: Request) -> Response:
@@ -212,7 +277,120 @@ class Gateway:
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        """200 when every pool answers, with each pool's load; 503 naming the pools that do not."""
+        """200 when every pool answers, with each pool's load; 503 naming the pools that do not.
+        `router` has this gateway replica's view: slots in flight, waiting requests, circuit state."""
+        self.watch_pools()
+        pools = await self.check_pools()
+        healthy = all(p["status"] == "ok" for p in pools.values())
+        body = {"status": "ok" if healthy else "degraded", "pools": pools, "router": self.router_state()}
+        return JSONResponse(body, 200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        """Prometheus text format, aggregated over every gateway and pool replica of the app."""
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(await render_cluster_metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def model_cards(self) -> list[ModelCard]:
+        cards = [ModelCard(id=p.model_id, created=self.created) for p in self.config.pools]
+        if self.config.embeddings.enabled:
+            cards.append(ModelCard(id=self.config.embeddings.model_id, created=self.created))
+        return cards
+
+    def authenticate(self, request: Request) -> Principal:
+        self.watch_pools()
+        return self.router.authenticate(request.headers, request.client.host if request.client else None)
+
+    async def dispatch(
+        self, principal: Principal, resolution: Resolution, n: int, streaming: bool, request_id: str, start
+    ) -> Response:
+        """Walk the fallback chain: `start(handle, priority)` calls a pool; the first pool whose first
+        item is not a failure answers. Errors before a pool answers fall back; nothing after."""
+        first_pool = self.config.pool(resolution.pools[0])
+        if n > first_pool.max_n:
+            raise invalid(
+                "n", f"n must be at most {first_pool.max_n} for model {resolution.model!r}, got {n}."
+            )
+        plan = self.router.plan(principal, resolution)
+        rejected: OpenAIError | None = None  # a pool's context-length answer, if every pool gives one
+        while True:
+            try:
+                slot = await plan.next_slot()
+            except RouterError as e:
+                headers = plan.headers() | {"x-request-id": request_id}
+                if isinstance(e, ContextLengthError) and rejected is not None:
+                    return error_response(rejected, headers)
+                logger.info("request %s (%s) not served: %s", request_id, principal.key_id, e)
+                return JSONResponse(e.to_openai(), status_code=e.status, headers=headers | e.headers())
+            call = start(self.pools[slot.pool].options(stream=True), plan.priority)
+            first = await self.first_item(call, slot, plan)
+            if first is None:
+                continue  # the pool failed before answering: fall back
+            if isinstance(first, OpenAIError) and first.code == "context_length_exceeded":
+                slot.succeeded()  # the pool is fine; the prompt is too long for it
+                plan.chain.leave(FallbackReason.CONTEXT_LENGTH)
+                rejected = first
+                continue
+            headers = plan.headers() | {"x-request-id": request_id}
+            if isinstance(first, OpenAIError):
+                slot.succeeded()
+                return error_response(first, headers)
+            if not streaming:
+                await note_trailing_summary(call)
+                slot.succeeded()
+                self.router.record_usage(principal, _total_tokens(first))
+                return Response(first, media_type="application/json", headers=headers)
+            on_done = lambda events: self.router.record_usage(principal, events)  # noqa: E731
+            return StreamingResponse(
+                relay(first, call, slot, on_done),
+                media_type="text/event-stream",
+                headers=headers | SSE_HEADERS,
+            )
+
+    async def first_item(self, call, slot: Slot, plan: DispatchPlan) -> str | OpenAIError | None:
+        """The pool's first item, or None after reporting a failure that the chain may fall back from."""
+        try:
+            first = await call.__anext__()
+        except asyncio.CancelledError:
+            call.cancel()
+            slot.abandoned()
+            raise
+        except StopAsyncIteration:
+            logger.error("pool %s returned nothing", slot.pool)
+            slot.failed(FallbackReason.ERROR)
+            return None
+        except Exception as e:
+            if is_backpressure(e):  # Serve's queue for the pool is full: busy, not broken
+                slot.abandoned()
+                plan.chain.leave(FallbackReason.SATURATED)
+            else:
+                logger.warning("pool %s failed before answering: %s", slot.pool, pool_failure(e).message)
+                slot.failed(FallbackReason.ERROR)
+            return None
+        if isinstance(first, OpenAIError) and first.status >= 500:
+            logger.warning("pool %s failed before answering: %s", slot.pool, first.message)
+            slot.failed(FallbackReason.ERROR)
+            return None
+        return first
+
+    def watch_pools(self) -> None:
+        """Start the pool health loop (lazily: it needs the replica's running event loop)."""
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_pools())
+
+    async def _watch_pools(self) -> None:
+        while True:
+            try:
+                await self.check_pools()
+            except Exception:
+                logger.exception("pool health check failed")
+            await asyncio.sleep(self.config.gateway.pool_health_period_s)
+
+    async def check_pools(self) -> dict[str, dict]:
+        """Each pool's load, or why it did not answer; the router skips pools that did not."""
         names = list(self.pools)
         results = await asyncio.gather(
             *(asyncio.wait_for(self.pools[n].stats.remote(), HEALTH_TIMEOUT_S) for n in names),
@@ -224,42 +402,17 @@ class Gateway:
                 pools[name] = {"status": "unavailable", "error": f"{type(result).__name__}: {result}"[:300]}
             else:
                 pools[name] = {"status": "ok", **result}
-        healthy = all(p["status"] == "ok" for p in pools.values())
-        return JSONResponse(
-            {"status": "ok" if healthy else "degraded", "pools": pools}, 200 if healthy else 503
-        )
+            self.router.set_pool_healthy(name, pools[name]["status"] == "ok")
+        return pools
 
-    # -- helpers ----------------------------------------------------------------------------------
-
-    def model_cards(self) -> list[ModelCard]:
-        cards = [ModelCard(id=p.model_id, created=self.created) for p in self.config.pools]
-        if self.config.embeddings.enabled:
-            cards.append(ModelCard(id=self.config.embeddings.model_id, created=self.created))
-        return cards
-
-    def route(self, model: str, n: int) -> PoolConfig:
-        pool = self.routes.get(model)
-        if pool is None:
-            raise model_not_found(model)
-        if n > pool.max_n:
-            raise invalid("n", f"n must be at most {pool.max_n} for model {model!r}, got {n}.")
-        return pool
-
-    async def respond(self, call, streaming: bool, pool: PoolConfig, request_id: str) -> Response:
-        headers = {"x-raylane-pool": pool.name, "x-request-id": request_id}
-        try:
-            first = await call.__anext__()
-        except asyncio.CancelledError:
-            call.cancel()
-            raise
-        except StopAsyncIteration:
-            return error_response(internal_error("The model pool returned nothing."), headers)
-        except Exception as e:
-            return error_response(pool_failure(e), headers)
-        if isinstance(first, OpenAIError):
-            return error_response(first, headers)
-        if not streaming:
-            return Response(first, media_type="application/json", headers=headers)
-        return StreamingResponse(
-            relay(first, call), media_type="text/event-stream", headers=headers | SSE_HEADERS
-        )
+    def router_state(self) -> dict:
+        state = {}
+        for name in self.pools:
+            load = self.router.pool_load(name)
+            state[name] = {
+                "in_flight": load.in_flight,
+                "waiting": load.waiting,
+                "capacity": load.capacity,
+                "circuit": str(self.router.circuit_state(name)),
+            }
+        return {"open_mode": self.router.open_mode, "pools": state}

@@ -12,9 +12,11 @@ import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from cluster.config import PoolConfig
 from deployments.errors import OpenAIError
+from deployments.metrics import MeteredLLM, MetricsReporter, PoolMetrics, RequestSummary, engine_stats
 from deployments.openai_schemas import ChatCompletionRequest, CompletionRequest
 from deployments.sampling import ToolPlan
 from deployments.serving import OpenAIServing
@@ -35,35 +37,58 @@ class ModelPool:
         logger.info("pool %s: loading %s", self.pool.name, config.model)
         self.llm = AsyncLLM(config)
         max_model_len = getattr(self.llm.engine, "max_model_len", None) or config.max_model_len
-        self.serving = OpenAIServing(self.llm, self.pool.model_id, max_model_len)
+        self.metrics = PoolMetrics(self.pool.name, self.pool.model_id)
+        self.reporter = MetricsReporter(self.metrics, self._gauges)
+        self.serving = OpenAIServing(MeteredLLM(self.llm, self.metrics), self.pool.model_id, max_model_len)
 
     async def chat(
-        self, request: ChatCompletionRequest, params: SamplingParams, plan: ToolPlan, request_id: str
-    ) -> AsyncIterator[str | OpenAIError]:
-        async for item in self.serving.chat(request, params, plan, request_id):
+        self,
+        request: ChatCompletionRequest,
+        params: SamplingParams,
+        plan: ToolPlan,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncIterator[str | OpenAIError | RequestSummary]:
+        """`priority` is the caller's tier's (lower is served first); the engine schedules by it.
+        After the response, a `RequestSummary` (tokens, TTFT, finish reason) for the request log."""
+        async for item in self._summarized(
+            self.serving.chat(request, params, plan, request_id, priority), request_id
+        ):
             yield item
 
     async def completions(
-        self, request: CompletionRequest, params: SamplingParams, request_id: str
-    ) -> AsyncIterator[str | OpenAIError]:
-        async for item in self.serving.completion(request, params, request_id):
+        self, request: CompletionRequest, params: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[str | OpenAIError | RequestSummary]:
+        async for item in self._summarized(
+            self.serving.completion(request, params, request_id, priority), request_id
+        ):
             yield item
+
+    async def _summarized(self, items: AsyncIterator, request_id: str) -> AsyncIterator:
+        self.reporter.start()
+        try:
+            async with aclosing(items):  # leaving early aborts the engine request at once
+                async for item in items:
+                    yield item
+            if (summary := self.metrics.pop_summary(request_id)) is not None:
+                yield summary
+        finally:
+            self.metrics.pop_summary(request_id)  # the client left early: forget it
+            self.reporter.poke()
+
+    async def _gauges(self) -> tuple[dict, dict]:
+        """Engine state for the metrics reporter (the counters stay as they were if the engine died)."""
+        try:
+            self.metrics.set_engine_stats(await self.llm.run_in_engine(engine_stats))
+        except Exception:
+            return {}, {}
+        return self.metrics.gauge_families(), self.metrics.gauge_values(self.reporter.replica)
 
     async def stats(self) -> dict:
         """Load of this replica (for the router's admission control, /health and tests)."""
 
-        def read(engine) -> dict:
-            blocks, scheduler = engine.block_manager, engine.scheduler
-            return {
-                "num_requests_running": len(scheduler.running),
-                "num_requests_waiting": len(scheduler.waiting),
-                "kv_cache_usage": blocks.usage,
-                "num_kv_blocks": blocks.num_blocks,
-                "num_free_kv_blocks": blocks.num_free_blocks,
-                "num_preemptions": scheduler.num_preemptions,
-            }
-
-        stats = await self.llm.run_in_engine(read)
+        self.reporter.start()
+        stats = await self.llm.run_in_engine(engine_stats)
         return {"pool": self.pool.name, "model": self.pool.model_id, **stats}
 
     async def check_health(self) -> None:

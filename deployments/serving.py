@@ -61,13 +61,19 @@ class OpenAIServing:
     # -- chat -----------------------------------------------------------------------------------
 
     async def chat(
-        self, req: ChatCompletionRequest, params: SamplingParams, plan: ToolPlan, request_id: str
+        self,
+        req: ChatCompletionRequest,
+        params: SamplingParams,
+        plan: ToolPlan,
+        request_id: str,
+        priority: int = 0,
     ) -> AsyncIterator[str | OpenAIError]:
         try:
             prompt_ids = self.render_chat(req, plan)
             self.check_length(len(prompt_ids), params.max_tokens, "messages")
             kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-            first, gen = await self._start(prompt_ids, params.clone(output_kind=kind), request_id, "messages")
+            engine_params = params.clone(output_kind=kind)
+            first, gen = await self._start(prompt_ids, engine_params, request_id, "messages", priority)
         except OpenAIError as e:
             yield e
             return
@@ -210,7 +216,7 @@ class OpenAIServing:
     # -- completions ----------------------------------------------------------------------------
 
     async def completion(
-        self, req: CompletionRequest, params: SamplingParams, request_id: str
+        self, req: CompletionRequest, params: SamplingParams, request_id: str, priority: int = 0
     ) -> AsyncIterator[str | OpenAIError]:
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         params = params.clone(output_kind=kind)
@@ -220,7 +226,7 @@ class OpenAIServing:
             for ids in prompts:
                 self.check_length(len(ids), params.max_tokens, "prompt")
             for k, ids in enumerate(prompts):
-                started.append(await self._start(ids, params, f"{request_id}-{k}", "prompt"))
+                started.append(await self._start(ids, params, f"{request_id}-{k}", "prompt", priority))
         except OpenAIError as e:
             for _, gen in started:
                 await gen.aclose()
@@ -351,11 +357,11 @@ class OpenAIServing:
             )
 
     async def _start(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str, param: str
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, param: str, priority: int = 0
     ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
         """Add the request and wait for its first output, so that a rejected request becomes an
         error before anything is sent."""
-        gen = self.llm.generate(prompt_ids, params, request_id=request_id)
+        gen = self.llm.generate(prompt_ids, params, request_id=request_id, priority=priority)
         try:
             first = await gen.__anext__()
         except ValueError as e:

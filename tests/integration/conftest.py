@@ -1,5 +1,7 @@
 """Serve the OpenAI API once per test session: two small pools (the demo Llama as `chat`, the demo
-Qwen3-MoE as `reasoning`) behind the gateway, on a free local port."""
+Qwen3-MoE as `reasoning`) behind the gateway, on a free local port. Router tests get a second app
+on the same Serve (`router_server`, under /router): API keys, tiers, routes, tiny pool capacities,
+and pools whose failures a test can switch on."""
 
 import socket
 import time
@@ -86,3 +88,100 @@ def client(api_server):
     import openai
 
     return openai.OpenAI(base_url=api_server.base_url, api_key="x", max_retries=0, timeout=120)
+
+
+ROUTER_APP = "raylane-router"
+ROUTER_PREFIX = "/router"
+ROUTER_KEYS = {"premium": "premium-key", "standard": "standard-key", "free": "free-key"}
+
+
+@dataclass
+class RouterServer:
+    url: str  # http://127.0.0.1:PORT/router
+    config: object
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def set_fault(self, pool: str, fault: str | None) -> None:
+        """See tests/integration/faulty_pool.py."""
+        from ray import serve
+
+        from deployments.app import pool_deployment_name
+
+        handle = serve.get_deployment_handle(pool_deployment_name(pool), app_name=ROUTER_APP)
+        handle.set_fault.remote(fault).result(timeout_s=30)
+
+
+def make_router_config(demo_models: dict, port: int):
+    """Three pools of the demo Llama: `coding` (falls back to chat), `reasoning` with a 64-token
+    context (falls back to chat) and `chat` (one request at a time, no fallback); three keyed tiers,
+    `free` sheddable with no queue; a circuit breaker that opens after 2 failures for 2 s."""
+    from cluster.config import ClusterConfig
+    from cluster.router_config import default_routes
+
+    llama = str(demo_models["raylane-llama-tiny"])
+    engine = {"max_num_seqs": 8, "num_kv_blocks": 64, "cpus_per_rank": 0.5, "seed": 0}
+    fallbacks = {"coding": ["chat"], "reasoning": ["chat"], "chat": []}
+    routes = [r.model_dump() | {"fallbacks": fallbacks[r.name]} for r in default_routes()]
+    wait = {"max_queue_depth": 16, "max_queue_wait_s": 300}
+    free = {"name": "free", "priority": 2, "max_queue_depth": 0, "max_queue_wait_s": 1, "sheddable": True}
+    return ClusterConfig.from_dict(
+        {
+            "http": {"host": "127.0.0.1", "port": port},
+            "gateway": {"num_cpus": 0.1, "pool_health_period_s": 0.5},
+            "embeddings": {"enabled": False},
+            "pools": [
+                {"name": "coding", "model": llama, "engine": engine, "max_in_flight": 2},
+                {"name": "reasoning", "model": llama, "engine": engine | {"max_model_len": 64}},
+                {"name": "chat", "model": llama, "engine": engine, "max_in_flight": 1},
+            ],
+            "router": {"routes": routes, "circuit_breaker": {"failure_threshold": 2, "cooldown_s": 2.0}},
+            "tiers": [
+                {"name": "premium", "priority": 0, **wait},
+                {"name": "standard", "priority": 1, **wait},
+                free,
+            ],
+            "api_keys": {"keys": {key: tier for tier, key in ROUTER_KEYS.items()}},
+        }
+    )
+
+
+@pytest.fixture(scope="session")
+def router_server(api_server, demo_models):
+    import ray
+    from ray import serve
+
+    import tests.integration.faulty_pool as faulty_pool
+    from deployments.app import gateway_deployment_options, pool_deployment_options
+    from deployments.gateway import Gateway
+
+    ray.cloudpickle.register_pickle_by_value(faulty_pool)  # replicas cannot import tests/
+    port = int(api_server.url.rsplit(":", 1)[1])
+    config = make_router_config(demo_models, port)
+    pools = {
+        p.name: serve.deployment(faulty_pool.FaultyPool, **pool_deployment_options(p)).bind(p)
+        for p in config.pools
+    }
+    app = serve.deployment(Gateway, **gateway_deployment_options(config)).bind(config, pools)
+    serve.run(app, name=ROUTER_APP, route_prefix=ROUTER_PREFIX)
+    url = f"{api_server.url}{ROUTER_PREFIX}"
+    wait_healthy(f"{url}/health", 300)
+    yield RouterServer(url, config)
+    serve.delete(ROUTER_APP)
+
+
+def wait_healthy(url: str, timeout_s: float) -> None:
+    import httpx2
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx2.get(url, timeout=10).status_code == 200:
+                return
+        except httpx2.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not answer 200 within {timeout_s:g} s")
+        time.sleep(0.5)
