@@ -4,6 +4,11 @@ Starts a local Ray (or joins the cluster at $RAY_ADDRESS), deploys the Serve app
 config (the embedded default when none is given: the demo models as the coding, reasoning and chat
 pools), prints the URL and waits. Ctrl-C or SIGTERM deletes the app, shuts Serve down and stops the
 Ray it started, so nothing is left running.
+
+Against a cluster that already runs the app (RAY_ADDRESS, or a local Ray already serving on the
+port) it redeploys the new config in place and returns: Serve rolls the changed deployments over,
+new replicas come up before traffic moves, and the old ones finish their in-flight requests and
+streams (up to each deployment's graceful_shutdown_timeout_s) before they stop.
 """
 
 import argparse
@@ -44,13 +49,18 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"raylane serve: {e}", file=sys.stderr)
         return 2
-    if problem := port_problem(config.http.host, config.http.port):
+    joined = bool(os.environ.get("RAY_ADDRESS"))
+    problem = None if joined else port_problem(config.http.host, config.http.port)
+    if joined or problem:  # perhaps our own app is already there: update it in place
+        status = redeploy_in_place(config)
+        if status is not None:
+            return status
+    if problem:
         print(
             f"raylane serve: cannot listen on {config.http.host}:{config.http.port}: {problem}",
             file=sys.stderr,
         )
         return 2
-    joined = bool(os.environ.get("RAY_ADDRESS"))
     if not joined and (missing := missing_checkpoints(config)):  # on this machine, check before starting
         print("raylane serve: " + "; ".join(missing), file=sys.stderr)
         return 2
@@ -96,6 +106,44 @@ def run(args: argparse.Namespace) -> int:
         ray.shutdown()
         print("raylane: stopped", flush=True)
     return status
+
+
+def redeploy_in_place(config) -> int | None:
+    """Deploy `config` over the running app and return the exit status; None when no Ray cluster
+    or no raylane app is running there (then this command starts one as usual)."""
+    import ray
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    from deployments.app import APP_NAME, build_app
+
+    try:
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", namespace="raylane", log_to_driver=False)
+    except ConnectionError:
+        return None
+    try:
+        client = _get_global_client(raise_if_no_controller_running=False)
+        details = client.get_serve_details() if client is not None else {}
+        if APP_NAME not in details.get("applications", {}):
+            return None
+        running = details.get("http_options") or {}
+        if running.get("port") != config.http.port:
+            print(
+                f"raylane serve: http.port {config.http.port} differs from the running cluster's "
+                f"{running.get('port')}; the HTTP listener cannot move in place: stop it first",
+                file=sys.stderr,
+            )
+            return 2
+        print(f"raylane: redeploying {APP_NAME} in place; requests in flight finish on the old replicas")
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        models = ", ".join(p.model_id for p in config.pools)
+        print(f"raylane: redeployed (models: {models}); the serving process keeps running", flush=True)
+        return 0
+    except Exception as e:  # the new config's replicas could not start: Serve keeps what it can
+        print(f"raylane serve: redeploy failed: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        ray.shutdown()
 
 
 def missing_checkpoints(config) -> list[str]:

@@ -24,7 +24,7 @@ APP_NAME = "raylane"
 REPLICA_DRIVER_CPUS = 0.1
 # A replica being replaced (redeploy, downscale) stops taking requests and finishes the ones in flight,
 # streams included, for up to this long before it is killed (Serve's default, 20 s, cuts long streams).
-DRAIN_TIMEOUT_S = 600.0
+DRAIN_TIMEOUT_S = 120.0
 
 
 def pool_deployment_name(pool_name: str) -> str:

@@ -1,8 +1,9 @@
 """Engine settings: one pydantic model, so a pool's YAML config can embed it as is."""
 
+import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class SpeculativeConfig(BaseModel):
@@ -37,10 +38,16 @@ class EngineConfig(BaseModel):
         "auto", description="Weights/activations dtype. auto: the checkpoint's dtype on GPU, float32 on CPU."
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available.")
+
+    @field_validator("model", "tokenizer")
+    @classmethod
+    def _expand_home(cls, path: str | None) -> str | None:
+        return os.path.expanduser(path) if path else path
+
     quantization: Literal["int8"] | None = Field(
         None,
-        description="int8: weight-only int8 (per-output-channel scales) for the attention and MLP linears, "
-        "quantized from the fp checkpoint at load time; embeddings and LM head stay in `dtype`.",
+        description="int8: weight-only int8 (per-output-channel scales) for the linears, the embedding and "
+        "the LM head, quantized from the fp checkpoint at load time; norms and MoE experts stay in `dtype`.",
     )
     speculative_config: SpeculativeConfig | None = Field(
         None, description="Speculative decoding (ngram prompt lookup or a draft model); None: off."
