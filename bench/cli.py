@@ -9,6 +9,7 @@ BENCHMARKS = {
     "compare": "bench.compare",
     "parallel": "bench.parallel",
     "router": "bench.router",
+    "speedups": "bench.speedups",
 }
 
 
