@@ -15,6 +15,7 @@ Every parameter must end up fully loaded, else `MissingWeightError` names the te
 
 import json
 import re
+import sys
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+from tqdm import tqdm
 from transformers import AutoConfig, PreTrainedConfig
 
 from models.decoder import DecoderForCausalLM
@@ -104,7 +106,10 @@ def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, LazyWeight]]:
 def load_weights(model: DecoderForCausalLM, files: list[Path]) -> None:
     params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
     loaded: dict[str, set] = defaultdict(set)
-    for name, tensor in iter_checkpoint(files):
+    # A progress bar for people at a terminal; logs of servers and Ray workers stay clean.
+    quiet = not sys.stderr.isatty()
+    tensors = tqdm(iter_checkpoint(files), desc="loading weights", unit=" tensors", disable=quiet)
+    for name, tensor in tensors:
         target, kwargs = map_checkpoint_name(model, name)
         param = params.get(target)
         if param is None:  # e.g. rotary inv_freq buffers or a tied lm_head in old checkpoints
