@@ -268,7 +268,8 @@ def write_plot(path: Path, result: dict[str, Any]) -> None:
     right.legend(loc="lower right")
     model, machine = result["model"], result["machine"]
     fig.suptitle(
-        f"{model['name']} ({model['params'] / 1e6:.1f}M params), {machine['cpu']}, {machine['cores']} cores"
+        f"{model['name']} ({model['params'] / 1e6:.1f}M params), {machine['cpu']}, {machine['cores']} cores, "
+        f"{machine['torch_threads']} torch threads"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
