@@ -256,7 +256,7 @@ def write_plot(path: Path, result: dict[str, Any]) -> None:
     for x, name in enumerate(("hf", "raylane")):  # every repeat as a dot, so the noise shows
         runs = [tp["useful_tokens"] / s for s in tp[name]["seconds"]]
         left.plot([x] * len(runs), runs, "k.")
-    left.bar_label(bars, fmt="%.0f")
+    left.bar_label(bars, fmt="%.0f", label_type="center", color="white")
     left.set_ylabel("useful output tokens/s")
     left.set_title(f"Offline throughput: raylane = {tp['speedup_median']:.2f}x HF (median)")
     right.plot(step["engine_step_ms"], label=f"engine.step() (median {step['engine_step_ms_median']:.1f} ms)")

@@ -35,7 +35,8 @@ FAMILIES = ["llama", "llama-tied", "qwen2", "qwen3", "mixtral", "qwen3-moe"]
 VOCAB_SIZE = 512
 MAX_POSITIONS = 512
 
-_COMMON = dict(
+# The shape every tiny test checkpoint shares; tests build variants with dict(TINY_CONFIG, ...).
+TINY_CONFIG = dict(
     vocab_size=VOCAB_SIZE,
     hidden_size=64,
     intermediate_size=128,
@@ -68,17 +69,17 @@ _MOE = dict(num_experts_per_tok=2)
 def family_config(family: str, **overrides) -> PretrainedConfig:
     """The transformers config `make_checkpoint` uses for `family`, with overrides applied."""
     if family in ("llama", "llama-tied"):
-        kw = dict(_COMMON, rope_parameters=_LLAMA3_ROPE, tie_word_embeddings=family == "llama-tied")
+        kw = dict(TINY_CONFIG, rope_parameters=_LLAMA3_ROPE, tie_word_embeddings=family == "llama-tied")
         return LlamaConfig(**(kw | overrides))
     if family == "qwen2":
-        return Qwen2Config(**(_COMMON | overrides))
+        return Qwen2Config(**(TINY_CONFIG | overrides))
     if family == "qwen3":
-        return Qwen3Config(**(_COMMON | overrides))
+        return Qwen3Config(**(TINY_CONFIG | overrides))
     if family == "mixtral":
-        kw = dict(_COMMON, **_MOE, num_local_experts=4, intermediate_size=64)
+        kw = dict(TINY_CONFIG, **_MOE, num_local_experts=4, intermediate_size=64)
         return MixtralConfig(**(kw | overrides))
     if family == "qwen3-moe":
-        kw = dict(_COMMON, **_MOE, num_experts=4, moe_intermediate_size=32, norm_topk_prob=True)
+        kw = dict(TINY_CONFIG, **_MOE, num_experts=4, moe_intermediate_size=32, norm_topk_prob=True)
         return Qwen3MoeConfig(**(kw | overrides))
     raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
 

@@ -10,23 +10,10 @@ from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
 from engine import LLM, SamplingParams
 from engine.block_manager import NULL_BLOCK, BlockManager
 from engine.request import Request
+from tests.hf_models import TINY_CONFIG
 
 WINDOW, BLOCK_SIZE, NEW_TOKENS = 8, 4, 24
-COMMON = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    initializer_range=0.2,
-    bos_token_id=1,
-    eos_token_id=2,
-    sliding_window=WINDOW,
-)
+COMMON = dict(TINY_CONFIG, sliding_window=WINDOW)
 CONFIGS = {
     "mistral": lambda: MistralConfig(**COMMON),
     # Qwen2 windows layers from max_window_layers on: 0 windows every layer.

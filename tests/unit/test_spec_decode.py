@@ -12,7 +12,7 @@ from engine.request import Request
 from engine.sampler import _filter
 from engine.spec_decode import RejectionSampler
 from engine.spec_decode.ngram import ngram_lookup
-from tests.hf_models import make_checkpoint
+from tests.hf_models import TINY_CONFIG, make_checkpoint
 
 NGRAM = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
 WINDOW = 16
@@ -33,20 +33,7 @@ def windowed(tmp_path_factory) -> str:
     """A Mistral-style model whose attention window makes its continuation depend only on the last
     few tokens (RoPE is relative): a prompt P + continuation(P) + P continues with continuation(P)
     again, like a code edit re-emitting unchanged lines. That is what lets ngram drafts be accepted."""
-    config = MistralConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        initializer_range=0.2,
-        sliding_window=WINDOW,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    config = MistralConfig(**dict(TINY_CONFIG, max_position_embeddings=1024, sliding_window=WINDOW))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     path = tmp_path_factory.mktemp("windowed")
