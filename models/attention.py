@@ -17,16 +17,16 @@ from torch import nn
 
 
 @dataclass(slots=True)
-class AttentionMetadata:
-    """One step's batch layout; tokens of all requests are flattened to N rows.
+class AttentionGroup:
+    """Requests attended together, their queries padded to the group's longest.
 
-    slot_mapping: [N] cache slot (block_id * block_size + offset) each new token's K/V goes to.
-    query_dest:   [N] row of each token in the padded query tensor of shape [B * max_query_len].
+    token_index:  [n] rows of the step's tokens in this group (None: all of them, in order).
+    query_dest:   [n] row of each token in the padded query tensor of shape [B * max_query_len].
     kv_slots:     [B, max_kv_len] cache slots of each request's whole context (padded).
     attn_mask:    [B, 1, max_query_len, max_kv_len] True where a query may attend a key.
     """
 
-    slot_mapping: torch.Tensor
+    token_index: torch.Tensor | None
     query_dest: torch.Tensor
     kv_slots: torch.Tensor
     attn_mask: torch.Tensor
@@ -35,6 +35,19 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return self.kv_slots.shape[0]
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """One step's batch layout; tokens of all requests are flattened to N rows.
+
+    slot_mapping: [N] cache slot (block_id * block_size + offset) each new token's K/V goes to.
+    groups: decoding requests attend in one group; each prefill chunk in its own, so a long
+    prompt never pads every decode query of the step to its length.
+    """
+
+    slot_mapping: torch.Tensor
+    groups: list[AttentionGroup]
 
 
 def build_attention_metadata(
@@ -47,6 +60,38 @@ def build_attention_metadata(
 ) -> AttentionMetadata:
     """Describe a batch where request i computes its last `query_lens[i]` tokens of
     `context_lens[i]` (cached prefix + new tokens), its KV in `block_tables[i]`."""
+    decodes = [i for i, n in enumerate(query_lens) if n == 1]
+    members = ([decodes] if decodes else []) + [[i] for i, n in enumerate(query_lens) if n > 1]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    slot_mapping = torch.empty(starts[-1], dtype=torch.long)
+    groups = []
+    for reqs in members:
+        group, slots = _build_group(
+            [block_tables[i] for i in reqs],
+            [context_lens[i] for i in reqs],
+            [query_lens[i] for i in reqs],
+            block_size,
+            sliding_window,
+        )
+        index = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in reqs])
+        slot_mapping[index] = slots
+        group.token_index = None if len(members) == 1 else index.to(device)
+        group.query_dest, group.kv_slots = group.query_dest.to(device), group.kv_slots.to(device)
+        group.attn_mask = group.attn_mask.to(device)
+        groups.append(group)
+    return AttentionMetadata(slot_mapping=slot_mapping.to(device), groups=groups)
+
+
+def _build_group(
+    block_tables: list[list[int]],
+    context_lens: list[int],
+    query_lens: list[int],
+    block_size: int,
+    sliding_window: int | None,
+) -> tuple[AttentionGroup, torch.Tensor]:
+    """One group's layout (on CPU), and the cache slots of its new tokens."""
     num_seqs = len(context_lens)
     max_q, max_kv = max(query_lens), max(context_lens)
     ctx = torch.tensor(context_lens)
@@ -71,14 +116,8 @@ def build_attention_metadata(
     query_dest = torch.cat([i * max_q + torch.arange(n) for i, n in enumerate(query_lens)])
     new_pos = torch.cat([torch.arange(c - n, c) for c, n in zip(context_lens, query_lens, strict=True)])
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), qlen)
-    slot_mapping = kv_slots[seq_of_token, new_pos] if max_kv else new_pos
-    return AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
-        query_dest=query_dest.to(device),
-        kv_slots=kv_slots.to(device),
-        attn_mask=mask[:, None].to(device),
-        max_query_len=max_q,
-    )
+    group = AttentionGroup(None, query_dest, kv_slots, mask[:, None], max_q)
+    return group, kv_slots[seq_of_token, new_pos]
 
 
 def paged_attention(
@@ -91,22 +130,38 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [N, H, D]; k, v: [N, KVH, D]; caches: [num_blocks, block_size, KVH, D]. Returns [N, H, D]."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k.shape[1]
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
     flat_k.index_copy_(0, meta.slot_mapping, k)
     flat_v.index_copy_(0, meta.slot_mapping, v)
-    keys = flat_k[meta.kv_slots].transpose(1, 2)  # [B, KVH, L, D]
-    values = flat_v[meta.kv_slots].transpose(1, 2)
-    batch, max_q = meta.num_seqs, meta.max_query_len
-    padded = q.new_zeros(batch * max_q, num_heads, head_dim)
-    padded[meta.query_dest] = q
-    padded = padded.view(batch, max_q, num_heads, head_dim).transpose(1, 2)
+    if len(meta.groups) == 1:
+        return _attend(q, flat_k, flat_v, meta.groups[0], scale)
+    out = torch.empty_like(q)
+    for group in meta.groups:
+        out[group.token_index] = _attend(q[group.token_index], flat_k, flat_v, group, scale)
+    return out
+
+
+def _attend(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, group: AttentionGroup, scale: float):
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = flat_k.shape[1]
+    batch, max_q = group.num_seqs, group.max_query_len
+    context = (batch, -1, num_kv_heads, head_dim)
+    # index_select on the flat slots is several times faster than advanced indexing with a 2-D index.
+    keys = flat_k.index_select(0, group.kv_slots.reshape(-1)).view(context).transpose(1, 2)
+    values = flat_v.index_select(0, group.kv_slots.reshape(-1)).view(context).transpose(1, 2)
+    if max_q == 1:  # pure decode: one query per request, already in order, nothing to pad
+        padded = q.view(batch, 1, num_heads, head_dim).transpose(1, 2)
+    else:
+        padded = q.new_zeros(batch * max_q, num_heads, head_dim)
+        padded[group.query_dest] = q
+        padded = padded.view(batch, max_q, num_heads, head_dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(
-        padded, keys, values, attn_mask=meta.attn_mask, scale=scale, enable_gqa=num_kv_heads != num_heads
+        padded, keys, values, attn_mask=group.attn_mask, scale=scale, enable_gqa=num_kv_heads != num_heads
     )
-    return out.transpose(1, 2).reshape(batch * max_q, num_heads, head_dim)[meta.query_dest]
+    out = out.transpose(1, 2).reshape(batch * max_q, num_heads, head_dim)
+    return out if max_q == 1 else out[group.query_dest]
 
 
 class Attention(nn.Module):
