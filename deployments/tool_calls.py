@@ -54,6 +54,8 @@ def tool_call_grammar(tools: list[dict], only: str | None = None, parallel: bool
         TagsWithSeparatorFormat,
     )
 
+    from engine.structured_output import tighten_json_strings
+
     chosen = [t for t in tools if only is None or t["name"] == only]
     tags = [
         TagFormat(
@@ -76,18 +78,8 @@ def tool_call_grammar(tools: list[dict], only: str | None = None, parallel: bool
         text = str(xgr.Grammar.from_structural_tag(StructuralTag(format=fmt)))
     except Exception as e:  # xgrammar raises RuntimeError or its own errors for unsupported schemas
         raise ValueError(f"cannot build a grammar for these tools: {e}") from None
-    return _tighten_json_strings(text)
-
-
-def _tighten_json_strings(ebnf: str) -> str:
-    """Apply the engine's fix for xgrammar's loose JSON string characters (raw control chars)."""
-    try:
-        from engine.structured_output import _JSON_CHAR, _LOOSE_CHARS
-    except ImportError:
-        return ebnf
-    for loose in _LOOSE_CHARS:
-        ebnf = ebnf.replace(loose, _JSON_CHAR)
-    return ebnf
+    # The engine's fix for xgrammar's loose JSON string characters (raw control chars, surrogates).
+    return tighten_json_strings(text)
 
 
 # -- parsing a finished text -------------------------------------------------------------------------

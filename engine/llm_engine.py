@@ -264,7 +264,8 @@ class LLMEngine:
             batch.token_ids.extend(request.all_token_ids[start : end - len(drafts)])
             batch.token_ids.extend(drafts)
             batch.positions.extend(range(start, end))
-            batch.block_tables.append(request.block_ids)
+            # A copy: freeing the request clears block_ids, and a batch may outlive its step.
+            batch.block_tables.append(list(request.block_ids))
             batch.context_lens.append(end)
             batch.query_lens.append(num_new)
             if end - len(drafts) == request.num_tokens:  # the prompt (or recompute) is done: sample

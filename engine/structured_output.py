@@ -93,11 +93,17 @@ _JSON_CHAR = r"[^\0-\x1f\"\\\uD800-\uDFFF]"
 _LOOSE_CHARS = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]")
 
 
+def tighten_json_strings(ebnf: str) -> str:
+    """An xgrammar EBNF text with its JSON string character classes restricted to valid JSON text."""
+    for loose in _LOOSE_CHARS:
+        ebnf = ebnf.replace(loose, _JSON_CHAR)
+    return ebnf
+
+
 def _json_grammar(schema: str, **kwargs: Any) -> xgr.Grammar:
     grammar = xgr.Grammar.from_json_schema(schema, **kwargs)
-    text = patched = str(grammar)
-    for loose in _LOOSE_CHARS:
-        patched = patched.replace(loose, _JSON_CHAR)
+    text = str(grammar)
+    patched = tighten_json_strings(text)
     if patched == text:
         return grammar
     try:
