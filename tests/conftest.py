@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+from tests.live_servers import api_server, client, router_server  # noqa: F401  (session apps)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

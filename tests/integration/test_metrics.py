@@ -215,11 +215,11 @@ def test_request_log_line_has_the_fields_and_never_the_prompt(api_server):
 
 
 def test_a_fallback_and_a_shed_are_counted_with_their_labels(router_server):
-    """On the router test app (conftest.make_router_config): `reasoning` has a 64-token context and
+    """On the router test app (make_router_config): `reasoning` has a 64-token context and
     falls back to `chat`; `chat` takes one request at a time and the `free` tier may not wait."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.integration.conftest import ROUTER_KEYS
+    from tests.live_servers import ROUTER_KEYS
 
     server = router_server
 

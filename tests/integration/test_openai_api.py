@@ -519,7 +519,7 @@ def alive(pid: int) -> bool:
 def test_raylane_serve_runs_the_embedded_default_until_ctrl_c(demo_models):
     """The README's main command on a machine with the demo models: a fresh Ray, three pools, and
     nothing left running after Ctrl-C."""
-    from tests.integration.conftest import free_port
+    from tests.live_servers import free_port
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}

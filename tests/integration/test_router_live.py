@@ -1,7 +1,7 @@
 """The router in the live gateway: keys and tiers, `auto`, admission order, shedding, fallback and
 circuit breakers, as a client sees them (status codes and `x-raylane-*` headers).
 
-The app is `router_server` (tests/integration/conftest.py): pools `coding` -> chat, `reasoning`
+The app is `router_server` (tests/live_servers.py): pools `coding` -> chat, `reasoning`
 (64-token context) -> chat, `chat` (one request at a time); tiers premium < standard < free (free is
 sheddable with no queue). No test asserts a duration: waits poll the gateway's /health.
 """
@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx2
 import pytest
 
-from tests.integration.conftest import ROUTER_KEYS
+from tests.live_servers import ROUTER_KEYS
 
 HI = [{"role": "user", "content": "hi"}]
 TIMEOUT_S = 180

@@ -1,4 +1,6 @@
-"""Serve the OpenAI API once per test session: two small pools (the demo Llama as `chat`, the demo
+"""Live apps for integration and reliability tests (fixtures registered in tests/conftest.py).
+
+Serve the OpenAI API once per test session: two small pools (the demo Llama as `chat`, the demo
 Qwen3-MoE as `reasoning`) behind the gateway, on a free local port. Router tests get a second app
 on the same Serve (`router_server`, under /router): API keys, tiers, routes, tiny pool capacities,
 and pools whose failures a test can switch on."""
