@@ -10,6 +10,8 @@ BENCHMARKS = {
     "parallel": "bench.parallel",
     "router": "bench.router",
     "speedups": "bench.speedups",
+    "overhead": "bench.overhead",
+    "report": "bench.report",
 }
 
 

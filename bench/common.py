@@ -50,16 +50,51 @@ class OtherLoad:
     Measured as busy jiffies system-wide (/proc/stat) minus this process's own CPU time.
     """
 
+    def __init__(self, own_cpu_s: Callable[[], float] = time.process_time):
+        # What counts as "own": this process (default), or `process_tree_cpu_s` when the benchmark's
+        # server runs in child processes (an in-process Ray: raylet, Serve proxy, replicas).
+        self._own_cpu_s = own_cpu_s
+
     def __enter__(self) -> "OtherLoad":
         self.fraction: float | None = None
-        self._start = (_busy_and_total_s(), time.process_time())
+        self._start = (_busy_and_total_s(), self._own_cpu_s())
         return self
 
     def __exit__(self, *exc: object) -> None:
         (busy0, total0), own0 = self._start
-        (busy1, total1), own1 = _busy_and_total_s(), time.process_time()
+        (busy1, total1), own1 = _busy_and_total_s(), self._own_cpu_s()
         if total1 > total0:
             self.fraction = max(0.0, (busy1 - busy0) - (own1 - own0)) / (total1 - total0)
+
+
+def process_tree_cpu_s(root: int | None = None) -> float:
+    """CPU seconds (user + system) of process `root` (default: this one) and all its descendants, from
+    /proc; with an in-process Ray these are the raylet, GCS, Serve proxy and replicas. Descendants that
+    exited count once their parent has reaped them (the parent's cutime/cstime)."""
+    root = os.getpid() if root is None else root
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    ticks = os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # Fields after the command name (which may hold spaces): state ppid ... then utime, stime,
+            # cutime, cstime (fields 14-17 of proc(5)).
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        pid = int(entry.name)
+        parent[pid] = int(fields[1])
+        cpu[pid] = sum(int(f) for f in fields[11:15]) / ticks
+    total = 0.0
+    for pid, seconds in cpu.items():
+        ancestor, hops = pid, 0
+        while ancestor not in (root, 0, 1) and hops < 64:
+            ancestor, hops = parent.get(ancestor, 0), hops + 1
+        if ancestor == root:
+            total += seconds
+    return total
 
 
 def _busy_and_total_s() -> tuple[float, float]:

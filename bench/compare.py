@@ -8,9 +8,15 @@ numbers and the range column shows the ratio of each repeat's A/B pair, a direct
     raylane bench compare --base-url-a http://127.0.0.1:8000/v1 --base-url-b http://127.0.0.1:8001/v1 \\
         --model chat --dataset random --concurrency 1,8 --repeats 2 --out results/
 
-Where the endpoints come from is `endpoint_sources`: today two URLs someone started. Comparing two
-raylane configs that this command starts itself is a new `EndpointSource` whose `open()` starts
-`raylane serve` with a config, waits until it answers, yields its Endpoint and stops it on exit.
+Either side may instead be a raylane cluster config that this command starts itself:
+
+    raylane bench compare --config-a cache-off.yaml --config-b cache-on.yaml --dataset prefix \\
+        --concurrency 1 --repeats 2
+
+Both configs are deployed in one in-process Ray + Serve (bench/apps.py), each as its own app under
+/a and /b on one HTTP port (the configs' `http` sections are not used), and deleted on exit. The
+model defaults to each config's first pool. Where the endpoints come from is `endpoint_sources`;
+another kind of endpoint is another `EndpointSource`.
 """
 
 import argparse
@@ -24,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from bench.apps import LocalServe, LocalServeError
 from bench.client import Endpoint, make_client
 from bench.common import print_table, write_json
 from bench.datasets import BenchRequest, DatasetUnavailable, add_dataset_arguments, requests_from_args
@@ -41,6 +48,7 @@ from bench.serve import (
     sweep_points,
     warm_up,
 )
+from cluster.config import ClusterConfig, ConfigError
 
 # (label, path into a summary, True when higher is better)
 COMPARED = (
@@ -80,8 +88,19 @@ class UrlSource:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     for side in ("a", "b"):
-        parser.add_argument(f"--base-url-{side}", required=True, help=f"endpoint {side.upper()}'s API root")
-        parser.add_argument(f"--model-{side}", help=f"endpoint {side.upper()}'s model (default --model)")
+        where = parser.add_mutually_exclusive_group(required=True)
+        where.add_argument(
+            f"--base-url-{side}", help=f"endpoint {side.upper()}'s API root (a running server)"
+        )
+        where.add_argument(
+            f"--config-{side}",
+            type=Path,
+            help=f"a raylane cluster config YAML to start as endpoint {side.upper()} (stopped on exit)",
+        )
+        parser.add_argument(
+            f"--model-{side}",
+            help=f"endpoint {side.upper()}'s model (default --model, else a config's first pool)",
+        )
         parser.add_argument(f"--label-{side}", default=side.upper(), help="name in the table")
     parser.add_argument("--model", help="the `model` field for both endpoints")
     add_api_key_argument(parser)
@@ -91,29 +110,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="write compare.json here")
 
 
-def endpoint_sources(args: argparse.Namespace) -> tuple[EndpointSource, EndpointSource]:
-    sources = []
+@dataclass(frozen=True, slots=True)
+class ConfigSource:
+    """An endpoint this command starts from a raylane cluster config (in `local`, one Serve for both)."""
+
+    label: str
+    model: str
+    api_key: str
+    local: LocalServe  # the config is staged there as app `app`; LocalServe deletes it on exit
+    app: str  # the app's name suffix and route prefix: "a" -> /a
+
+    @contextlib.contextmanager
+    def open(self) -> Iterator[Endpoint]:
+        url = self.local.url(self.app)  # the first open deploys both config sides, in parallel
+        yield Endpoint(f"{url}/v1", self.model, self.api_key, self.label)
+
+
+def load_cluster_config(path: Path) -> ClusterConfig:
+    try:
+        return ClusterConfig.from_yaml(path)
+    except (ConfigError, OSError) as e:
+        raise BenchError(f"{path}: {e}") from None
+
+
+def endpoint_sources(
+    args: argparse.Namespace, stack: contextlib.ExitStack
+) -> tuple[EndpointSource, EndpointSource]:
+    """The two sides; a config side starts (once, in `stack`) the in-process Serve both configs share."""
+    sources: list[EndpointSource] = []
+    local: LocalServe | None = None
     for side in ("a", "b"):
-        model = getattr(args, f"model_{side}") or args.model
+        label = getattr(args, f"label_{side}")
+        config_path = getattr(args, f"config_{side}")
+        config = load_cluster_config(config_path) if config_path else None
+        model = getattr(args, f"model_{side}") or args.model or (config.pools[0].model_id if config else None)
         if not model:
             raise BenchError(f"give --model or --model-{side}")
-        label = getattr(args, f"label_{side}")
-        endpoint = Endpoint(getattr(args, f"base_url_{side}"), model, args.api_key, label)
-        sources.append(UrlSource(label, endpoint))
+        if config is None:
+            endpoint = Endpoint(getattr(args, f"base_url_{side}"), model, args.api_key, label)
+            sources.append(UrlSource(label, endpoint))
+            continue
+        if local is None:
+            local = stack.enter_context(LocalServe())
+        local.add(side, config)
+        sources.append(ConfigSource(label, model, args.api_key, local, side))
     return sources[0], sources[1]
 
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     try:
-        sources = endpoint_sources(args)
         requests, dataset = requests_from_args(args)
         with contextlib.ExitStack() as stack:
+            sources = endpoint_sources(args, stack)
             endpoints = tuple(stack.enter_context(s.open()) for s in sources)
             points = asyncio.run(
                 compare_sweep(endpoints, requests, sweep_points(args), settings, args.repeats, args.warmup)
             )
-    except (BenchError, DatasetUnavailable, ValueError) as e:
+    except (BenchError, DatasetUnavailable, LocalServeError, ValueError) as e:
         print(f"raylane bench compare: {e}", file=sys.stderr)
         return 1
     a, b = endpoints

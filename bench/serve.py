@@ -304,7 +304,8 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
     ax_ttft.set_xlabel("TTFT (ms)")
     ax_ttft.set_ylabel("fraction of requests")
     ax_ttft.grid(alpha=0.3)
-    ax_ttft.legend()
+    if ax_ttft.lines:  # no line when every request failed
+        ax_ttft.legend()
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,314 @@
+"""`raylane bench overhead`: what serving adds over the engine itself, at concurrency 1.
+
+The same chat requests go (a) over HTTP through Serve's proxy, the gateway (auth, validation, the
+router's resolve/plan/admission) and the pool replica, streamed with the official `openai` client,
+and (b) straight to an `AsyncLLM` in this process built from the same pool's engine config, with the
+prompt rendered and the sampling parameters made by the same code the pool uses
+(`OpenAIServing.render_chat`, `deployments.sampling.chat_params`). Request i goes to both, in turn
+(HTTP first for even i, the engine first for odd i), so a slow spell of the machine hits both sides.
+
+TTFT is request sent -> first generated text (an SSE chunk with content; an engine output with
+text); E2E is request sent -> the end of the stream. The overhead is the difference of the p50s.
+Goal: <= 15 ms at p50. The in-process engine gets as many torch threads as Ray gives the replica
+(Ray sets OMP_NUM_THREADS from the actor's CPUs), so both run the model alike; greedy outputs of the
+two sides are compared as a check that they did the same work.
+
+    raylane bench overhead                      # the demo Llama, started here (bench/serving.py)
+    raylane bench overhead --config my.yaml --pool chat --num-prompts 64
+"""
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import OtherLoad, machine_info, print_table, process_tree_cpu_s, write_json
+from bench.datasets import BenchRequest, add_dataset_arguments, requests_from_args
+from bench.metrics import percentile
+from cluster.config import ClusterConfig, PoolConfig
+
+GOAL_MS = 15.0
+
+
+@dataclass(slots=True)
+class Sample:
+    """One request on one side: times in seconds, the generated text and token count."""
+
+    ttft: float | None = None
+    e2e: float | None = None
+    text: str = ""
+    output_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Pair:
+    http: Sample
+    engine: Sample
+    first: str  # which side ran first: "http" or "engine"
+    identical: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.identical = self.http.error is None and self.http.text == self.engine.text
+
+
+def request_body(model: str, request: BenchRequest) -> dict[str, Any]:
+    """What the benchmark sends: greedy, exactly max_tokens (ignore_eos), streamed with usage."""
+    return {
+        "model": model,
+        "messages": request.messages,
+        "max_tokens": request.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+
+
+class InProcessEngine:
+    """The pool's engine in this process, fed exactly what the pool would feed it."""
+
+    def __init__(self, pool: PoolConfig, torch_threads: int):
+        import torch
+
+        from deployments.serving import OpenAIServing
+        from engine import AsyncLLM
+
+        torch.set_num_threads(torch_threads)  # before the engine thread starts: it inherits the count
+        self.llm = AsyncLLM(pool.engine_config())
+        max_model_len = getattr(self.llm.engine, "max_model_len", None) or pool.engine.max_model_len
+        self.serving = OpenAIServing(self.llm, pool.model_id, max_model_len)
+        self.model_id = pool.model_id
+
+    async def torch_threads(self) -> int:
+        import torch
+
+        return await self.llm.run_in_engine(lambda _: torch.get_num_threads())
+
+    def prepare(self, request: BenchRequest):
+        """(prompt token ids, sampling params) as the pool makes them from the same request body."""
+        from deployments.openai_schemas import ChatCompletionRequest
+        from deployments.sampling import chat_params
+        from engine.sampling_params import RequestOutputKind
+
+        body = ChatCompletionRequest.model_validate(request_body(self.model_id, request))
+        params, plan = chat_params(body)
+        return self.serving.render_chat(body, plan), params.clone(output_kind=RequestOutputKind.DELTA)
+
+    async def send(self, request: BenchRequest) -> Sample:
+        sent = time.perf_counter()
+        prompt, params = self.prepare(request)  # the pool does this per request too: it counts
+        sample = Sample()
+        texts: list[str] = []
+        async for out in self.llm.generate(prompt, params):
+            completion = out.outputs[0]
+            if completion.text and sample.ttft is None:
+                sample.ttft = time.perf_counter() - sent
+            texts.append(completion.text)
+            sample.output_tokens += len(completion.token_ids)
+        sample.e2e = time.perf_counter() - sent
+        sample.text = "".join(texts)
+        return sample
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+async def send_http(client, model: str, request: BenchRequest) -> Sample:
+    import openai
+
+    body = request_body(model, request)
+    extra = {"ignore_eos": body.pop("ignore_eos")}
+    sample = Sample()
+    texts: list[str] = []
+    sent = time.perf_counter()
+    try:
+        stream = await client.chat.completions.create(**body, extra_body=extra)
+        async for chunk in stream:
+            if chunk.usage is not None:
+                sample.output_tokens = chunk.usage.completion_tokens
+            for choice in chunk.choices:
+                if choice.delta and choice.delta.content:
+                    if sample.ttft is None:
+                        sample.ttft = time.perf_counter() - sent
+                    texts.append(choice.delta.content)
+        sample.e2e = time.perf_counter() - sent
+    except openai.APIError as e:
+        sample.error = f"{getattr(e, 'status_code', '')} {e.message}".strip()
+    sample.text = "".join(texts)
+    return sample
+
+
+async def measure(
+    base_url: str, api_key: str, engine: InProcessEngine, requests: list[BenchRequest], warmup: int = 2
+) -> list[Pair]:
+    """Each request to both sides, alternating which goes first; `warmup` unmeasured pairs first."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+    try:
+        for request in requests[:warmup]:
+            warm = await send_http(client, engine.model_id, request)
+            if warm.error:
+                raise RuntimeError(f"warm-up request to {base_url} failed: {warm.error}")
+            await engine.send(request)
+        pairs = []
+        for i, request in enumerate(requests):
+            if i % 2 == 0:
+                http = await send_http(client, engine.model_id, request)
+                pairs.append(Pair(http, await engine.send(request), "http"))
+            else:
+                local = await engine.send(request)
+                pairs.append(Pair(await send_http(client, engine.model_id, request), local, "engine"))
+        return pairs
+    finally:
+        await client.close()
+
+
+def summarize(pairs: list[Pair]) -> dict[str, Any]:
+    """p50/p99 of TTFT and E2E per side (ms), the overheads (differences of p50s) and checks."""
+    ok = [p for p in pairs if p.http.error is None]
+    result: dict[str, Any] = {
+        "requests": len(pairs),
+        "http_errors": len(pairs) - len(ok),
+        "identical_outputs": sum(p.identical for p in pairs),
+        "same_token_counts": sum(p.http.output_tokens == p.engine.output_tokens for p in ok),
+    }
+    for metric in ("ttft", "e2e"):
+        sides = {}
+        for side in ("http", "engine"):
+            ms = [getattr(getattr(p, side), metric) * 1e3 for p in ok if getattr(getattr(p, side), metric)]
+            sides[side] = {"p50": percentile(ms, 50), "p99": percentile(ms, 99), "mean": statistics.fmean(ms)}
+        paired = [
+            (getattr(p.http, metric) - getattr(p.engine, metric)) * 1e3
+            for p in ok
+            if getattr(p.http, metric) is not None and getattr(p.engine, metric) is not None
+        ]
+        result[metric] = {
+            **sides,
+            "overhead_p50_ms": sides["http"]["p50"] - sides["engine"]["p50"],
+            "paired_difference_p50_ms": percentile(paired, 50),
+        }
+    result["goal_ms"] = GOAL_MS
+    result["goal_met"] = all(result[m]["overhead_p50_ms"] <= GOAL_MS for m in ("ttft", "e2e"))
+    return result
+
+
+def table_rows(summary: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for metric in ("ttft", "e2e"):
+        s = summary[metric]
+        for side, label in (("engine", "engine in-process"), ("http", "HTTP: proxy, gateway, pool")):
+            rows.append([f"{metric.upper()} {label}", f"{s[side]['p50']:.1f}", f"{s[side]['p99']:.1f}"])
+        rows.append([f"{metric.upper()} added by serving", f"{s['overhead_p50_ms']:+.1f}", ""])
+    return rows
+
+
+def verdict(summary: dict[str, Any]) -> str:
+    worst = max(summary[m]["overhead_p50_ms"] for m in ("ttft", "e2e"))
+    state = "met" if summary["goal_met"] else "NOT met"
+    return f"serving adds {worst:.1f} ms p50 at most (TTFT, E2E): goal <= {GOAL_MS:g} ms {state}"
+
+
+def ray_torch_threads(cpus: float) -> int:
+    """The torch threads Ray gives an actor with `cpus` CPUs (it sets OMP_NUM_THREADS from them)."""
+    import ray
+
+    @ray.remote
+    def threads() -> int:
+        import torch
+
+        return torch.get_num_threads()
+
+    return ray.get(threads.options(num_cpus=cpus).remote())
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="cluster config to start (default: bench/serving.py's)")
+    parser.add_argument("--pool", help="the pool to measure (default: the config's first)")
+    parser.add_argument("--warmup", type=int, default=2, help="unmeasured request pairs first")
+    parser.add_argument("--out", type=Path, help="write overhead.json here")
+    add_dataset_arguments(parser)
+    parser.set_defaults(num_prompts=32, random_input_len=128, random_output_len=32)
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench.apps import LocalServe, LocalServeError
+    from bench.serving import serving_config
+
+    config = ClusterConfig.from_yaml(args.config) if args.config else serving_config()
+    pool = next((p for p in config.pools if p.name == (args.pool or config.pools[0].name)), None)
+    if pool is None:
+        print(f"raylane bench overhead: no pool {args.pool!r} in the config", file=sys.stderr)
+        return 1
+    requests, dataset = requests_from_args(args)
+    try:
+        with LocalServe() as local:
+            url = local.deploy({"overhead": config})["overhead"]
+            result = run_overhead(f"{url}/v1", "EMPTY", pool, requests, args.warmup)
+    except (LocalServeError, RuntimeError) as e:
+        print(f"raylane bench overhead: {e}", file=sys.stderr)
+        return 1
+    result |= {"dataset": dataset, "date": datetime.date.today().isoformat()}
+    print_report(result)
+    if args.out:
+        write_json(args.out / "overhead.json", result)
+        print(f"\nwrote {args.out / 'overhead.json'}")
+    return 0
+
+
+def run_overhead(
+    base_url: str, api_key: str, pool: PoolConfig, requests: list[BenchRequest], warmup: int = 2
+) -> dict[str, Any]:
+    """Measure against a running app whose pool `pool` serves `pool.model_id` (Ray initialized)."""
+    import torch
+
+    threads, before = ray_torch_threads(pool.engine.cpus_per_rank), torch.get_num_threads()
+    engine = InProcessEngine(pool, threads)
+    try:
+        with OtherLoad(process_tree_cpu_s) as load:
+            pairs = asyncio.run(measure(base_url, api_key, engine, requests, warmup))
+        engine_threads = asyncio.run(_engine_threads(engine))
+    finally:
+        engine.shutdown()
+        torch.set_num_threads(before)  # the caller's torch work (a report's other parts) as it was
+    return {
+        "benchmark": "overhead",
+        "machine": machine_info() | {"torch_threads": engine_threads},
+        "model": pool.model_id,
+        "checkpoint": pool.model_path(),
+        "summary": summarize(pairs),
+        "other_load": load.fraction,
+        "pairs": [asdict(p) for p in pairs],
+    }
+
+
+async def _engine_threads(engine: InProcessEngine) -> int:
+    with contextlib.suppress(Exception):
+        return await engine.torch_threads()
+    return -1
+
+
+def print_report(result: dict[str, Any]) -> None:
+    s, machine = result["summary"], result["machine"]
+    print(
+        f"machine: {machine['cpu']}, {machine['cores']} cores; model {result['model']} "
+        f"({result['checkpoint']}), {machine['torch_threads']} torch thread(s) on both sides"
+    )
+    print(f"{s['requests']} requests at concurrency 1, each to both sides, alternated")
+    print_table(["latency (ms)", "p50", "p99"], table_rows(s))
+    print(verdict(s))
+    print(
+        f"greedy outputs identical on both sides: {s['identical_outputs']}/{s['requests']}; "
+        f"HTTP errors: {s['http_errors']}"
+    )
+    print(f"other processes used {100 * (result['other_load'] or 0):.0f}% of the CPUs during the run")

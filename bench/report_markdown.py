@@ -1,0 +1,313 @@
+"""Markdown of a `raylane bench report` run: the full tables (bench/README.md) and a summary table of
+the goals (README.md). Pure functions of the report dict; a part that was skipped or failed says so."""
+
+from typing import Any
+
+# Above this share of the CPUs used by other processes, a part's figures are marked as rough.
+NOISY_LOAD = 0.10
+
+
+def pct(fraction: float | None) -> str:
+    if fraction is None:
+        return "?"
+    return f"{100 * fraction:.0f}%" + (" (over 10%: rough figures)" if fraction > NOISY_LOAD else "")
+
+
+def met(ok: bool) -> str:
+    return "met" if ok else "**NOT met**"
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def machine_line(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    return f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, Python {m['python']}"
+
+
+def serving_model_line(report: dict[str, Any]) -> str:
+    model = report.get("serving_model")
+    if not model:
+        return ""
+    engine = model["engine"]
+    cpus, seqs, blocks = engine["cpus_per_rank"], engine["max_num_seqs"], engine["num_kv_blocks"]
+    return (
+        f"Serving model (parts 2-5): {model['name']} ({model['params']:,} parameters, float32), "
+        f"one replica with {cpus:g} CPU (Ray gives it one torch thread), max_num_seqs {seqs}, "
+        f"{blocks} KV blocks of 16 tokens; app `main` has prefix caching on, `nocache` off "
+        "(configs in OUT/configs/, from bench/serving.py). Every route of `main` points at its one pool."
+    )
+
+
+def engine_section(part: dict[str, Any]) -> str:
+    tp, step, model, args = part["throughput"], part["step_overhead"], part["model"], part["args"]
+    rows = []
+    for name, label in (("hf", "HF `generate`"), ("raylane", "raylane `LLM.generate`")):
+        r = tp[name]
+        rows.append(
+            [
+                label,
+                f"{r['wall_s']['median']:.1f}",
+                f"{r['tokens_per_s']['median']:.0f}",
+                f"{r['requests_per_s']['median']:.2f}",
+            ]
+        )
+    speedup, overhead = tp["speedup_median"], step["overhead_pct"]
+    return "\n".join(
+        [
+            "#### 1. Engine: raylane against Hugging Face `generate`",
+            "",
+            f"{model['name']} ({model['params']:,} parameters, float32), {tp['num_prompts']} prompts "
+            f"with long-tailed output lengths ({tp['useful_tokens']} useful tokens), max batch "
+            f"{args['max_batch_size']}, {args['repeats']} run(s) each (median), "
+            f"{part['machine']['torch_threads']} torch threads; other load {pct(part.get('other_load'))}.",
+            "",
+            table(["", "wall s", "useful tokens/s", "requests/s"], rows),
+            "",
+            f"- raylane / HF: **{speedup:.2f}x** (goal >= 3x: {met(speedup >= 3)}); greedy outputs "
+            f"identical to HF: {tp['greedy_outputs_identical']}/{tp['num_prompts']}",
+            f"- decode step of {step['batch_size']} requests: bare forward "
+            f"{step['bare_forward_ms_median']:.1f} ms, "
+            f"`engine.step()` {step['engine_step_ms_median']:.1f} ms: **{overhead:+.1f}%** "
+            f"(goal <= 25%: {met(overhead <= 25)})",
+        ]
+    )
+
+
+def overhead_section(part: dict[str, Any]) -> str:
+    from bench.overhead import table_rows
+
+    s = part["summary"]
+    ttft, e2e = s["ttft"]["overhead_p50_ms"], s["e2e"]["overhead_p50_ms"]
+    return "\n".join(
+        [
+            "#### 2. Serving overhead: HTTP through gateway and router against the engine in-process",
+            "",
+            f"{s['requests']} chat requests (random words, ~{part['dataset_prompt_tokens']:.0f} prompt "
+            "tokens, 32 output tokens), concurrency 1; each request went to both sides, which went first "
+            "alternating. "
+            f"The in-process `AsyncLLM` has the pool's engine config and {part['machine']['torch_threads']} "
+            f"torch thread(s), like the replica; other load {pct(part.get('other_load'))}.",
+            "",
+            table(["latency (ms)", "p50", "p99"], table_rows(s)),
+            "",
+            f"- serving adds **{ttft:.1f} ms** to TTFT p50 and **{e2e:.1f} ms** to E2E p50 "
+            f"(goal <= {s['goal_ms']:g} ms: {met(s['goal_met'])}); greedy outputs identical on both sides: "
+            f"{s['identical_outputs']}/{s['requests']}",
+        ]
+    )
+
+
+def routing_section(part: dict[str, Any]) -> str:
+    from bench.router import auto_vs_named_rows
+
+    s = part["summary"]
+    routes = ", ".join(f"{r} {n}" for r, n in sorted(s["auto_routes"].items()))
+    return "\n".join(
+        [
+            "#### 3. `auto` routing against a named model, end to end",
+            "",
+            f"{s['pairs']} pairs of new ~200-token prompts ({part['output_len']} output tokens), `auto` "
+            f"and `{part['named_model']}` back to back, the order alternating; {s['compared']} pairs "
+            f"served by the same pool compared (auto chose: {routes}); "
+            f"other load {pct(part.get('other_load'))}.",
+            "",
+            table(["latency (ms)", "p50", "p99"], auto_vs_named_rows(s)),
+            "",
+            f"- `auto` adds **{s['e2e']['added_p50_ms']:.1f} ms** to E2E p50 and "
+            f"{s['ttft']['added_p50_ms']:.1f} ms to TTFT p50 "
+            f"(goal <= {s['goal_ms']:g} ms: {met(s['goal_met'])})",
+        ]
+    )
+
+
+def prefix_section(part: dict[str, Any]) -> str:
+    rows = []
+    for side, label in (("off", "prefix caching off"), ("on", "prefix caching on")):
+        r = part[side]
+        rows.append([label, f"{r['ttft']['p50']:.1f}", f"{r['ttft']['p99']:.1f}", f"{r['e2e']['p50']:.1f}"])
+    spread = ", ".join(f"{g:.1f}x" for g in part["ttft_p50_gain_per_repeat"])
+    return "\n".join(
+        [
+            "#### 4. Prefix cache: TTFT on the `prefix` dataset, caching on against off",
+            "",
+            f"{part['requests_per_side']} requests per side over 2 alternated repeats, concurrency 1; "
+            f"each prompt is a {part['prefix_tokens']}-token shared system prompt and a "
+            f"{part['question_tokens']}-token question "
+            f"({part['prompt_tokens']} tokens counted with the model's tokenizer, before the chat template), "
+            f"{part['output_tokens']} output tokens; other load {pct(part.get('other_load'))}.",
+            "",
+            table(["", "TTFT p50 ms", "TTFT p99 ms", "E2E p50 ms"], rows),
+            "",
+            f"- TTFT p50 **{part['ttft_p50_gain']:.1f}x** lower with caching (per repeat: {spread}; "
+            f"goal >= {part['goal']:g}x: {met(part['goal_met'])})",
+        ]
+    )
+
+
+def sweep_section(part: dict[str, Any]) -> str:
+    rows = []
+    for p in part["points"]:
+        rows.append(
+            [
+                str(p["concurrency"]),
+                f"{p['request_throughput']:.2f}",
+                f"{p['output_throughput']:.0f}",
+                f"{p['ttft']['p50']:.0f}",
+                f"{p['ttft']['p99']:.0f}",
+                f"{p['tpot']['p50']:.1f}",
+                f"{p['e2e']['p50']:.0f}",
+                ", ".join(f"{code}: {n}" for code, n in p.get("errors_by_status", {}).items()) or "0",
+            ]
+        )
+    return "\n".join(
+        [
+            "#### 5. Throughput and latency across concurrency",
+            "",
+            f"{part['requests_per_point']} requests per point (random words, "
+            f"~{part['mean_prompt_tokens']:.0f} prompt tokens, ~{part['mean_output_tokens']:.0f} output "
+            f"tokens, ignore_eos), streamed through the gateway; max_num_seqs {part['max_num_seqs']}; "
+            f"other load {pct(part.get('other_load'))}.",
+            "",
+            table(
+                [
+                    "concurrency",
+                    "req/s",
+                    "output tok/s",
+                    "TTFT p50",
+                    "TTFT p99",
+                    "TPOT p50",
+                    "E2E p50",
+                    "errors",
+                ],
+                rows,
+            ),
+            "",
+            f"- {rising_text(part)} (goal: rising with concurrency: {met(part['goal_met'])}); "
+            "latencies in ms",
+        ]
+    )
+
+
+def rising_text(part: dict[str, Any]) -> str:
+    points = part["points"]
+    steps = [
+        f"{a['output_throughput']:.0f} -> {b['output_throughput']:.0f} "
+        f"from {a['concurrency']} to {b['concurrency']}"
+        for a, b in zip(points, points[1:], strict=False)
+        if b["output_throughput"] <= a["output_throughput"]
+    ]
+    first, last = points[0], points[-1]
+    text = (
+        f"output tokens/s {first['output_throughput']:.0f} at concurrency {first['concurrency']}, "
+        f"{last['output_throughput']:.0f} at {last['concurrency']}"
+    )
+    return text + (f"; not rising: {'; '.join(steps)}" if steps else ", rising at every step")
+
+
+SECTIONS = {
+    "engine": engine_section,
+    "overhead": overhead_section,
+    "routing": routing_section,
+    "prefix": prefix_section,
+    "sweep": sweep_section,
+}
+TITLES = {
+    "engine": "1. Engine",
+    "overhead": "2. Serving overhead",
+    "routing": "3. `auto` routing",
+    "prefix": "4. Prefix cache",
+    "sweep": "5. Concurrency sweep",
+}
+
+
+def full_markdown(report: dict[str, Any]) -> str:
+    blocks = [
+        f"Measured {report['date']} with `{report['command']}` on {machine_line(report)}"
+        + (" (a `--quick` run: few requests, rough figures)." if report["quick"] else "."),
+    ]
+    if line := serving_model_line(report):
+        blocks.append(line)
+    for name, section in SECTIONS.items():
+        part = report["parts"].get(name)
+        if part is None:
+            blocks.append(f"#### {TITLES[name]}\n\nNot measured in this run (skipped).")
+        elif "error" in part:
+            blocks.append(f"#### {TITLES[name]}\n\nNot measured: the part failed ({part['error']}).")
+        else:
+            blocks.append(section(part))
+    return "\n\n".join(blocks)
+
+
+def summary_rows(report: dict[str, Any]) -> list[list[str]]:
+    parts = report["parts"]
+
+    def ok(name: str) -> dict[str, Any] | None:
+        part = parts.get(name)
+        return part if part and "error" not in part else None
+
+    rows = []
+    if e := ok("engine"):
+        speedup, overhead = e["throughput"]["speedup_median"], e["step_overhead"]["overhead_pct"]
+        rows.append(
+            ["engine throughput against HF `generate`", ">= 3x", f"{speedup:.2f}x", met(speedup >= 3)]
+        )
+        rows.append(
+            ["engine decode step over a bare forward", "<= 25%", f"{overhead:+.1f}%", met(overhead <= 25)]
+        )
+    if o := ok("overhead"):
+        s = o["summary"]
+        measured = f"TTFT +{s['ttft']['overhead_p50_ms']:.1f} ms, E2E +{s['e2e']['overhead_p50_ms']:.1f} ms"
+        rows.append(
+            ["serving overhead over the engine, p50, concurrency 1", "<= 15 ms", measured, met(s["goal_met"])]
+        )
+    if r := ok("routing"):
+        s = r["summary"]
+        measured = f"E2E {s['e2e']['added_p50_ms']:+.1f} ms (TTFT {s['ttft']['added_p50_ms']:+.1f} ms)"
+        rows.append(["`auto` routing added to a named model, p50", "<= 15 ms", measured, met(s["goal_met"])])
+    if p := ok("prefix"):
+        rows.append(
+            [
+                "prefix-cache TTFT p50 gain (cache on vs off)",
+                ">= 3x",
+                f"{p['ttft_p50_gain']:.1f}x",
+                met(p["goal_met"]),
+            ]
+        )
+    if w := ok("sweep"):
+        first, last = w["points"][0], w["points"][-1]
+        measured = (
+            f"{first['output_throughput']:.0f} tok/s at {first['concurrency']} -> "
+            f"{last['output_throughput']:.0f} at {last['concurrency']}"
+        )
+        rows.append(["output tokens/s across concurrency", "rising", measured, met(w["goal_met"])])
+    return rows
+
+
+def summary_markdown(report: dict[str, Any]) -> str:
+    parts = report["parts"]
+    loads = [p.get("other_load") for p in parts.values() if p.get("other_load") is not None]
+    models = []
+    if (e := parts.get("engine")) and "model" in e:
+        models.append(f"engine: {e['model']['name']} ({e['model']['params'] / 1e6:.1f}M parameters)")
+    if model := report.get("serving_model"):
+        models.append(f"serving: {model['name']} ({model['params'] / 1e6:.1f}M parameters)")
+    missing = [TITLES[n] for n in SECTIONS if n not in parts or "error" in parts[n]]
+    worst = max(loads) if loads else None
+    load = "?" if worst is None else f"{100 * worst:.0f}%"
+    noisy = [TITLES[n] for n, p in parts.items() if (p.get("other_load") or 0) > NOISY_LOAD]
+    lines = [
+        f"Measured {report['date']} with `{report['command']}` on {machine_line(report)}; "
+        f"models: {'; '.join(models) or 'none'}. Other processes used up to {load} of the CPUs "
+        "during a part"
+        + (f" (over 10% in {', '.join(noisy)}: those figures are rough)" if noisy else "")
+        + ". Tables and workloads: bench/README.md.",
+        "",
+        table(["what", "goal", "measured", "goal met"], summary_rows(report)),
+    ]
+    if missing:
+        lines += ["", f"Not measured in this run: {', '.join(missing)}."]
+    return "\n".join(lines)

@@ -1,0 +1,109 @@
+"""`raylane bench report`'s output on known figures: goals not met are said plainly with the measured
+number, and rewriting the docs touches only the marked section (the live run is in
+tests/integration/test_bench_live.py)."""
+
+import pytest
+
+from bench.report import ReportError, replace_marked
+from bench.report_markdown import full_markdown, summary_markdown
+
+
+def stats(p50: float, p99: float | None = None) -> dict[str, float]:
+    return {"mean": p50, "p50": p50, "p90": p99 or p50, "p99": p99 or p50}
+
+
+def sweep_point(concurrency: int, throughput: float) -> dict:
+    return {
+        "concurrency": concurrency,
+        "request_throughput": throughput / 50,
+        "output_throughput": throughput,
+        "ttft": stats(40.0),
+        "tpot": stats(5.0),
+        "e2e": stats(300.0),
+        "errors": 0,
+    }
+
+
+def report(sweep: list[tuple[int, float]], gain: float) -> dict:
+    prefix = {
+        "requests_per_side": 32,
+        "prompt_tokens": 1060,
+        "prefix_tokens": 1024,
+        "question_tokens": 16,
+        "output_tokens": 16,
+        "off": {"ttft": stats(200.0), "e2e": stats(300.0)},
+        "on": {"ttft": stats(200.0 / gain), "e2e": stats(100.0)},
+        "ttft_p50_gain": gain,
+        "ttft_p50_gain_per_repeat": [gain, gain],
+        "goal": 3.0,
+        "goal_met": gain >= 3,
+        "other_load": 0.05,
+    }
+    points = [sweep_point(c, t) for c, t in sweep]
+    rising = all(b[1] > a[1] for a, b in zip(sweep, sweep[1:], strict=False))
+    sweep_part = {
+        "max_num_seqs": 16,
+        "requests_per_point": 32,
+        "mean_prompt_tokens": 128.0,
+        "mean_output_tokens": 64.0,
+        "points": points,
+        "goal_met": rising,
+        "other_load": 0.02,
+    }
+    return {
+        "date": "2026-11-30",
+        "command": "raylane bench report --out results",
+        "machine": {"cpu": "AMD EPYC", "cores": 2, "torch": "2.13.0+cpu", "python": "3.11.7"},
+        "quick": False,
+        "serving_model": {
+            "name": "raylane-llama-tiny",
+            "params": 3950848,
+            "engine": {"max_num_seqs": 16, "num_kv_blocks": 1024, "cpus_per_rank": 1.0},
+        },
+        "parts": {"prefix": prefix, "sweep": sweep_part, "routing": {"error": "RuntimeError: boom"}},
+    }
+
+
+def test_goals_met_and_not_met_are_stated_with_the_measured_figures():
+    summary = summary_markdown(report(sweep=[(1, 100.0), (4, 300.0), (16, 250.0)], gain=2.4))
+    assert "| prefix-cache TTFT p50 gain (cache on vs off) | >= 3x | 2.4x | **NOT met** |" in summary
+    assert (
+        "| output tokens/s across concurrency | rising | 100 tok/s at 1 -> 250 at 16 | **NOT met** |"
+        in summary
+    )
+    assert (
+        "up to 5% of the CPUs during a part." in summary and "raylane-llama-tiny (4.0M parameters)" in summary
+    )
+    full = full_markdown(report(sweep=[(1, 100.0), (4, 300.0), (16, 250.0)], gain=2.4))
+    assert "not rising: 300 -> 250 from 4 to 16" in full
+    assert "TTFT p50 **2.4x** lower with caching" in full and "AMD EPYC, 2 cores" in full
+
+
+def test_parts_measured_under_other_load_are_marked_rough():
+    noisy = report(sweep=[(1, 100.0), (2, 180.0)], gain=7.0)
+    noisy["parts"]["sweep"]["other_load"] = 0.4
+    assert "up to 40% of the CPUs during a part (over 10% in 5. Concurrency sweep" in summary_markdown(noisy)
+    assert "other load 40% (over 10%: rough figures)" in full_markdown(noisy)
+    assert "other load 5%." in full_markdown(noisy)  # the quiet part is not marked
+
+
+def test_skipped_and_failed_parts_say_so_instead_of_showing_figures():
+    good = report(sweep=[(1, 100.0), (2, 180.0), (4, 300.0)], gain=7.0)
+    full = full_markdown(good)
+    assert "#### 1. Engine\n\nNot measured in this run (skipped)." in full
+    assert "#### 3. `auto` routing\n\nNot measured: the part failed (RuntimeError: boom)." in full
+    assert "rising at every step (goal: rising with concurrency: met)" in full
+    summary = summary_markdown(good)
+    assert "Not measured in this run: 1. Engine, 2. Serving overhead, 3. `auto` routing." in summary
+    assert "| prefix-cache TTFT p50 gain (cache on vs off) | >= 3x | 7.0x | met |" in summary
+
+
+def test_replace_marked_rewrites_only_between_the_markers():
+    text = "intro\n<!-- bench-report:full -->\nold\nlines\n<!-- /bench-report:full -->\noutro\n"
+    assert replace_marked(text, "full", "new\n") == (
+        "intro\n<!-- bench-report:full -->\nnew\n<!-- /bench-report:full -->\noutro\n"
+    )
+    with pytest.raises(ReportError, match="README.md has no <!-- bench-report:summary -->"):
+        replace_marked(text, "summary", "x", "README.md")
+    with pytest.raises(ReportError):  # the closing marker before the opening one
+        replace_marked("<!-- /bench-report:full --> <!-- bench-report:full -->", "full", "x")
