@@ -193,11 +193,26 @@ class GatewayConfig(_Strict):
     num_replicas: int = Field(1, ge=1, description="Gateway replicas (each is cheap: it only forwards).")
     num_cpus: float = Field(0.1, ge=0, description="CPUs each gateway replica reserves.")
     max_ongoing_requests: int = Field(1000, ge=1, description="Requests one gateway replica holds at once.")
+    max_request_body_bytes: int = Field(
+        8 * 2**20,
+        ge=1024,
+        description="Largest request body the gateway reads (413 above it), checked before it is parsed, "
+        "chunked uploads included.",
+    )
+    max_batch_prompts: int = Field(
+        256, ge=1, description="Most prompts in one /v1/completions request (each is an engine request)."
+    )
     pool_health_period_s: float = Field(
         5.0,
         gt=0,
         description="Seconds between the gateway's checks of each pool; a pool that does not "
         "answer is skipped (its route falls back) until it answers again.",
+    )
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="On shutdown (`raylane serve` stopped), how long requests in flight may finish while "
+        "new ones get 503 with Retry-After.",
     )
 
 

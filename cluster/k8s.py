@@ -10,12 +10,18 @@ From one `ClusterConfig` it writes a kustomize directory:
   replicas land on its own group; a CPU `gateway` group holds the gateway (and its router). The
   head runs no replicas (`num-cpus: 0`) and has no GPU. `upgradeStrategy: NewCluster`: a changed
   cluster spec (image, groups) starts a new RayCluster and moves traffic once it serves; a changed
-  `serveConfigV2` alone is rolled out in place by Serve.
-- `metrics-service.yaml`, `servicemonitor.yaml`: Ray's Prometheus port (8080) on every pod.
+  `serveConfigV2` alone is rolled out in place by Serve. Ray's token authentication is on
+  (`authOptions.mode: token`, KubeRay >= 1.5.1, Ray >= 2.52): the operator generates the token
+  Secret and sets RAY_AUTH_MODE / RAY_AUTH_TOKEN in every Ray container, so GCS, dashboard and
+  client answer only holders of the token (the health endpoints the probes use stay open).
+- `podmonitor.yaml`: Prometheus scrapes Ray's metrics port (8080) on every pod directly. No Service
+  exposes a Ray port: the only Service rendered is the RayService's `serveService` (the OpenAI
+  port); the head Service KubeRay creates for the workers is cluster-internal.
 - `pdb.yaml`: at most one raylane pod down at a time for voluntary disruptions.
-- `networkpolicy.yaml`: from outside, only the HTTP and metrics ports; the Ray pods talk freely
-  among themselves; the dashboard only to the KubeRay operator (it deploys `serveConfigV2` and
-  submits `RayJob`s through it). GCS and client ports are never opened.
+- `networkpolicy.yaml`: from anywhere, only the HTTP port; the metrics port from Prometheus pods
+  (label `app.kubernetes.io/name: prometheus`, any namespace); the Ray pods talk freely among
+  themselves; the dashboard only to the KubeRay operator (it deploys `serveConfigV2` and submits
+  `RayJob`s through it). GCS and client ports are never opened.
 - `kustomization.yaml`.
 
 With `--base DIR` the output is an overlay of that directory instead: `resources: [DIR]` and one
@@ -63,9 +69,7 @@ class RenderError(ValueError):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="k8s_command", required=True)
-    render = sub.add_parser(
-        "render", help="write the RayService, Service, PDB, NetworkPolicy, ServiceMonitor"
-    )
+    render = sub.add_parser("render", help="write the RayService, PodMonitor, PDB and NetworkPolicy")
     render.add_argument("--config", help="cluster config YAML (default: the embedded demo config)")
     render.add_argument("--image", default=DEFAULT_IMAGE, help=f"container image (default {DEFAULT_IMAGE})")
     render.add_argument("--out", type=Path, help="directory to write (default: print one YAML stream)")
@@ -221,10 +225,9 @@ def render_objects(config, args: argparse.Namespace) -> dict[str, dict]:
     name = args.name
     return {
         "rayservice": ray_service(config, args),
-        "metrics-service": metrics_service(name),
         "pdb": disruption_budget(name),
         "networkpolicy": network_policy(name, config.http.port),
-        "servicemonitor": service_monitor(name),
+        "podmonitor": pod_monitor(name),
     }
 
 
@@ -441,6 +444,8 @@ def ray_service(config, args) -> dict[str, Any]:
     autoscaling = any(p.replicas.autoscaling for p in config.pools)
     cluster: dict[str, Any] = {
         "rayVersion": RAY_VERSION,
+        # GCS, dashboard and Ray client refuse callers without the cluster's token (KubeRay makes it).
+        "authOptions": {"mode": "token"},
         "enableInTreeAutoscaling": autoscaling,
         "headGroupSpec": {
             "rayStartParams": {
@@ -483,27 +488,16 @@ def ray_service(config, args) -> dict[str, Any]:
 # -- other objects --------------------------------------------------------------------------------
 
 
-def metrics_service(name: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": f"{name}-metrics", "labels": labels(name, "metrics")},
-        "spec": {
-            "clusterIP": "None",
-            "selector": labels(name),
-            "ports": [{"name": "metrics", "port": METRICS_PORT, "targetPort": METRICS_PORT}],
-        },
-    }
-
-
-def service_monitor(name: str) -> dict[str, Any]:
+def pod_monitor(name: str) -> dict[str, Any]:
+    """Ray's metrics port on every raylane pod, scraped directly: a Service for it would expose a Ray
+    port to the whole cluster."""
     return {
         "apiVersion": "monitoring.coreos.com/v1",
-        "kind": "ServiceMonitor",
+        "kind": "PodMonitor",
         "metadata": {"name": name, "labels": labels(name)},
         "spec": {
-            "selector": {"matchLabels": labels(name, "metrics")},
-            "endpoints": [{"port": "metrics", "interval": "15s", "path": "/metrics"}],
+            "selector": {"matchLabels": labels(name)},
+            "podMetricsEndpoints": [{"port": "metrics", "interval": "15s", "path": "/metrics"}],
         },
     }
 
@@ -518,10 +512,9 @@ def disruption_budget(name: str) -> dict[str, Any]:
 
 
 def network_policy(name: str, http_port: int) -> dict[str, Any]:
-    operator = {
-        "namespaceSelector": {},
-        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}},
-    }
+    def pods_named(app: str) -> dict[str, Any]:  # in any namespace
+        return {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": app}}}
+
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -531,8 +524,12 @@ def network_policy(name: str, http_port: int) -> dict[str, Any]:
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"from": [{"podSelector": {"matchLabels": labels(name)}}]},  # Ray's own traffic
-                {"ports": [{"protocol": "TCP", "port": p} for p in (http_port, METRICS_PORT)]},
-                {"from": [operator], "ports": [{"protocol": "TCP", "port": DASHBOARD_PORT}]},
+                {"ports": [{"protocol": "TCP", "port": http_port}]},  # the OpenAI API, from anywhere
+                {"from": [pods_named("prometheus")], "ports": [{"protocol": "TCP", "port": METRICS_PORT}]},
+                {
+                    "from": [pods_named("kuberay-operator")],
+                    "ports": [{"protocol": "TCP", "port": DASHBOARD_PORT}],
+                },
             ],
         },
     }

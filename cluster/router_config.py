@@ -178,6 +178,13 @@ class TierConfig(_Strict):
         description="when a pool's wait queue is full, a waiting request of this tier is dropped (429) "
         "to make room for one of a higher-priority tier",
     )
+    max_pool_share: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="share of each pool's slots this tier's requests may hold at once (at least one); "
+        "below 1 keeps the rest free for other tiers, so a flood of this tier never makes them wait",
+    )
 
 
 def default_tiers() -> list[TierConfig]:
@@ -199,6 +206,7 @@ def default_tiers() -> list[TierConfig]:
             max_queue_depth=16,
             max_queue_wait_s=2.0,
             sheddable=True,
+            max_pool_share=0.75,
         ),
     ]
 

@@ -2,8 +2,9 @@
 
 Starts a local Ray (or joins the cluster at $RAY_ADDRESS), deploys the Serve app built from the
 config (the embedded default when none is given: the demo models as the coding, reasoning and chat
-pools), prints the URL and waits. Ctrl-C or SIGTERM deletes the app, shuts Serve down and stops the
-Ray it started, so nothing is left running.
+pools), prints the URL and waits. Ctrl-C or SIGTERM drains the app (new requests get 503 with
+Retry-After while those in flight finish, up to gateway.drain_timeout_s), deletes it, shuts Serve
+down and stops the Ray it started, so nothing is left running.
 
 Against a cluster that already runs the app (RAY_ADDRESS, or a local Ray already serving on the
 port) it redeploys the new config in place and returns: Serve rolls the changed deployments over,
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the clean-up short
             signal.signal(signum, signal.SIG_IGN)
+        _drain(config.gateway.drain_timeout_s)
         _shutdown(serve, joined)
         ray.shutdown()
         print("raylane: stopped", flush=True)
@@ -173,6 +175,24 @@ def _stop_on(signum: int) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signum, handler)
+
+
+def _drain(timeout_s: float) -> None:
+    """New requests get 503 + Retry-After while those in flight finish (up to `timeout_s`)."""
+    from deployments.app import APP_NAME
+    from deployments.drain import drain_app
+
+    def waiting(busy: dict[str, int]) -> None:
+        in_flight = sum(busy.values())
+        print(f"raylane: draining: {in_flight} requests in flight (up to {timeout_s:g} s)", flush=True)
+
+    try:
+        left = drain_app(APP_NAME, timeout_s, on_wait=waiting)
+    except Exception as e:  # the app never came up, or Ray is going down: nothing to drain
+        print(f"raylane: drain: {e!r}", file=sys.stderr)
+        return
+    if any(left.values()):
+        print(f"raylane: drain timed out; cutting {sum(left.values())} requests", flush=True)
 
 
 def _shutdown(serve, joined: bool) -> None:

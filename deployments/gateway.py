@@ -14,6 +14,8 @@ happened, `x-raylane-fallback`. When the client goes away, the pool call is canc
 generator aborts the engine request. A background task checks each pool every
 `gateway.pool_health_period_s`; a pool that does not answer is skipped until it does.
 Embeddings are computed here (MiniLM, from `router.embeddings`), so they need no pool.
+While the app drains before shutdown (deployments/drain.py), new requests get 503 with Retry-After
+and /health says "draining"; the requests in flight finish.
 """
 
 import asyncio
@@ -31,6 +33,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import ClusterConfig
+from deployments.drain import RETRY_AFTER_S, DrainWatcher
 from deployments.errors import (
     OpenAIError,
     from_validation_error,
@@ -41,7 +44,10 @@ from deployments.errors import (
 )
 from deployments.metrics import RequestSummary, render_cluster_metrics
 from deployments.openai_schemas import (
+    ChatCompletion,
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    Completion,
     CompletionRequest,
     Embedding,
     EmbeddingRequest,
@@ -50,6 +56,8 @@ from deployments.openai_schemas import (
     ModelList,
     Usage,
 )
+from deployments.openapi import publish, route_docs
+from deployments.request_body import read_json_object
 from deployments.request_log import RequestLogMiddleware, note_summary, note_trailing_summary, router_timed
 from deployments.routing import build_router
 from deployments.sampling import chat_params, completion_params
@@ -63,15 +71,26 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 app = FastAPI(title="raylane", description="OpenAI-compatible API of a raylane cluster", docs_url=None)
 app.add_middleware(RequestLogMiddleware)  # x-request-id, one JSON log line and HTTP metrics per request
+publish(app)  # the request and response bodies in /openapi.json (the handlers parse bodies themselves)
 
 
 def error_response(error: OpenAIError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error.to_dict(), status_code=error.status, headers=headers)
 
 
+class Draining(OpenAIError):
+    def __init__(self) -> None:
+        super().__init__(
+            "The server is shutting down and takes no new requests; retry shortly.",
+            status=503,
+            code="draining",
+        )
+
+
 @app.exception_handler(OpenAIError)
 async def _openai_error(_: Request, error: OpenAIError) -> JSONResponse:
-    return error_response(error)
+    headers = {"retry-after": str(RETRY_AFTER_S)} if isinstance(error, Draining) else None
+    return error_response(error, headers)
 
 
 @app.exception_handler(RouterError)
@@ -114,6 +133,10 @@ def pool_failure(error: BaseException) -> OpenAIError:
     return internal_error(f"The model pool failed: {type(error).__name__}.")
 
 
+class PoolOutage(Exception):
+    """The pool was found down while a request waited for its first item."""
+
+
 def sse_error(error: OpenAIError) -> str:
     return f"data: {json.dumps(error.to_dict())}\n\n"
 
@@ -149,18 +172,9 @@ async def relay(first: str, call, slot: Slot | None = None, on_done=None):
             on_done(events)
 
 
-async def parse_body(request: Request, model: type[BaseModel]) -> Any:
-    body = await request.body()
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OpenAIError(
-            f"We could not parse the JSON body of your request: {e}. (The body must be valid JSON.)",
-            param=None,
-            code="invalid_json",
-        ) from None
-    if not isinstance(data, dict):
-        raise invalid(None, "The request body must be a JSON object.", code="invalid_json")
+async def parse_body(request: Request, model: type[BaseModel], max_bytes: int) -> Any:
+    """The body as `model`, or a 4xx naming what is wrong (size and nesting first, then the JSON)."""
+    data = await read_json_object(request, max_bytes)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -195,13 +209,18 @@ class Gateway:
         torch.set_num_threads(1)  # the classifier's short inputs: a second thread spin-waits on shared cores
         self.router = build_router(self.config)  # logs loudly when no API key is configured (open mode)
         self._watcher: asyncio.Task | None = None
+        self.outages: dict[str, asyncio.Event] = {}  # set while the health loop finds the pool down
+        context = serve.get_replica_context()
+        self.drain = DrainWatcher(context.app_name, context.replica_id.unique_id)
 
     # -- endpoints --------------------------------------------------------------------------------
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions", **route_docs(ChatCompletion, ChatCompletionRequest, ChatCompletionChunk)
+    )
     async def chat_completions(self, request: Request) -> Response:
         principal = self.authenticate(request)
-        req = await parse_body(request, ChatCompletionRequest)
+        req = await parse_body(request, ChatCompletionRequest, self.config.gateway.max_request_body_bytes)
         params, tools = chat_params(req)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         resolution = await router_timed(self.router.resolve_async(req.model, messages))
@@ -215,10 +234,11 @@ class Gateway:
             lambda pool, priority: pool.chat.remote(req, params, tools, request_id, priority),
         )
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **route_docs(Completion, CompletionRequest, Completion))
     async def completions(self, request: Request) -> Response:
         principal = self.authenticate(request)
-        req = await parse_body(request, CompletionRequest)
+        req = await parse_body(request, CompletionRequest, self.config.gateway.max_request_body_bytes)
+        self.check_batch(len(req.prompts()))
         params = completion_params(req)
         texts = [p for p in req.prompts() if isinstance(p, str)]
         resolution = await router_timed(
@@ -234,12 +254,14 @@ class Gateway:
             lambda pool, priority: pool.completions.remote(req, params, request_id, priority),
         )
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", **route_docs(EmbeddingResponse, EmbeddingRequest))
     async def embeddings(self, request: Request) -> Response:
         from router import embeddings
 
+        principal = self.authenticate(request)  # MiniLM runs here: keyed like every other endpoint
+        self.router.check_rate(principal)
         cfg = self.config.embeddings
-        req = await parse_body(request, EmbeddingRequest)
+        req = await parse_body(request, EmbeddingRequest, self.config.gateway.max_request_body_bytes)
         if not cfg.enabled or req.model != cfg.model_id:
             raise model_not_found(req.model)
         texts = [req.input] if isinstance(req.input, str) else req.input
@@ -264,12 +286,14 @@ class Gateway:
         body = EmbeddingResponse(data=data, model=cfg.model_id, usage=usage)
         return Response(body.to_json(), media_type="application/json")
 
-    @app.get("/v1/models")
-    async def list_models(self) -> Response:
+    @app.get("/v1/models", **route_docs(ModelList))
+    async def list_models(self, request: Request) -> Response:
+        self.authenticate(request)
         return Response(ModelList(data=self.model_cards()).to_json(), media_type="application/json")
 
-    @app.get("/v1/models/{model_id:path}")
-    async def retrieve_model(self, model_id: str) -> Response:
+    @app.get("/v1/models/{model_id:path}", **route_docs(ModelCard))
+    async def retrieve_model(self, model_id: str, request: Request) -> Response:
+        self.authenticate(request)
         card = next((c for c in self.model_cards() if c.id == model_id), None)
         if card is None:
             raise model_not_found(model_id)
@@ -280,10 +304,17 @@ class Gateway:
         """200 when every pool answers, with each pool's load; 503 naming the pools that do not.
         `router` has this gateway replica's view: slots in flight, waiting requests, circuit state."""
         self.watch_pools()
+        self.drain.start()
         pools = await self.check_pools()
         healthy = all(p["status"] == "ok" for p in pools.values())
-        body = {"status": "ok" if healthy else "degraded", "pools": pools, "router": self.router_state()}
-        return JSONResponse(body, 200 if healthy else 503)
+        status = "draining" if self.drain.draining else "ok" if healthy else "degraded"
+        body = {
+            "status": status,
+            "pools": pools,
+            "router": self.router_state(),
+            "gateway": {"in_flight": self.drain.in_flight, "asyncio_tasks": len(asyncio.all_tasks())},
+        }
+        return JSONResponse(body, 200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -294,14 +325,27 @@ class Gateway:
 
     # -- helpers ----------------------------------------------------------------------------------
 
+    def check_batch(self, prompts: int) -> None:
+        """Each prompt of a batch is its own engine request (n of them with `n`): bounded, so that one
+        HTTP request cannot queue thousands of sequences."""
+        limit = self.config.gateway.max_batch_prompts
+        if prompts > limit:
+            raise invalid("prompt", f"A batch may hold at most {limit} prompts, got {prompts}.")
+
     def model_cards(self) -> list[ModelCard]:
         cards = [ModelCard(id=p.model_id, created=self.created) for p in self.config.pools]
         if self.config.embeddings.enabled:
             cards.append(ModelCard(id=self.config.embeddings.model_id, created=self.created))
         return cards
 
-    def authenticate(self, request: Request) -> Principal:
+    def check_open(self) -> None:
         self.watch_pools()
+        self.drain.start()
+        if self.drain.draining:
+            raise Draining()
+
+    def authenticate(self, request: Request) -> Principal:
+        self.check_open()
         return self.router.authenticate(request.headers, request.client.host if request.client else None)
 
     async def dispatch(
@@ -309,6 +353,19 @@ class Gateway:
     ) -> Response:
         """Walk the fallback chain: `start(handle, priority)` calls a pool; the first pool whose first
         item is not a failure answers. Errors before a pool answers fall back; nothing after."""
+        self.drain.in_flight += 1
+        streaming_response = False
+        try:
+            response = await self._dispatch(principal, resolution, n, streaming, request_id, start)
+            streaming_response = isinstance(response, StreamingResponse)
+            return response
+        finally:
+            if not streaming_response:  # a stream counts until its relay ends
+                self.drain.in_flight -= 1
+
+    async def _dispatch(
+        self, principal: Principal, resolution: Resolution, n: int, streaming: bool, request_id: str, start
+    ) -> Response:
         first_pool = self.config.pool(resolution.pools[0])
         if n > first_pool.max_n:
             raise invalid(
@@ -343,7 +400,11 @@ class Gateway:
                 slot.succeeded()
                 self.router.record_usage(principal, _total_tokens(first))
                 return Response(first, media_type="application/json", headers=headers)
-            on_done = lambda events: self.router.record_usage(principal, events)  # noqa: E731
+
+            def on_done(events: int) -> None:
+                self.drain.in_flight -= 1
+                self.router.record_usage(principal, events)
+
             return StreamingResponse(
                 relay(first, call, slot, on_done),
                 media_type="text/event-stream",
@@ -353,7 +414,12 @@ class Gateway:
     async def first_item(self, call, slot: Slot, plan: DispatchPlan) -> str | OpenAIError | None:
         """The pool's first item, or None after reporting a failure that the chain may fall back from."""
         try:
-            first = await call.__anext__()
+            first = await self.first_or_outage(call, slot.pool)
+        except PoolOutage:
+            call.cancel()
+            logger.warning("pool %s went down before answering", slot.pool)
+            slot.failed(FallbackReason.UNHEALTHY)
+            return None
         except asyncio.CancelledError:
             call.cancel()
             slot.abandoned()
@@ -376,6 +442,22 @@ class Gateway:
             return None
         return first
 
+    async def first_or_outage(self, call, pool: str):
+        """The call's first item, or PoolOutage when the health loop finds the pool down first. A pool
+        without a live replica (its node died) would otherwise keep the request waiting for one."""
+        outage = self.outages.setdefault(pool, asyncio.Event())
+        first = asyncio.ensure_future(call.__anext__())
+        down = asyncio.ensure_future(outage.wait())
+        try:
+            await asyncio.wait({first, down}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            down.cancel()
+            if not first.done():
+                first.cancel()
+        if not first.done() or first.cancelled():
+            raise PoolOutage(pool)
+        return first.result()
+
     def watch_pools(self) -> None:
         """Start the pool health loop (lazily: it needs the replica's running event loop)."""
         if self._watcher is None or self._watcher.done():
@@ -392,18 +474,31 @@ class Gateway:
     async def check_pools(self) -> dict[str, dict]:
         """Each pool's load, or why it did not answer; the router skips pools that did not."""
         names = list(self.pools)
-        results = await asyncio.gather(
-            *(asyncio.wait_for(self.pools[n].stats.remote(), HEALTH_TIMEOUT_S) for n in names),
-            return_exceptions=True,
-        )
+        results = await asyncio.gather(*(self.probe(n) for n in names), return_exceptions=True)
         pools = {}
         for name, result in zip(names, results, strict=True):
             if isinstance(result, BaseException):
                 pools[name] = {"status": "unavailable", "error": f"{type(result).__name__}: {result}"[:300]}
             else:
                 pools[name] = {"status": "ok", **result}
-            self.router.set_pool_healthy(name, pools[name]["status"] == "ok")
+            healthy = pools[name]["status"] == "ok"
+            self.router.set_pool_healthy(name, healthy)
+            outage = self.outages.setdefault(name, asyncio.Event())
+            if not healthy:
+                outage.set()  # wakes the requests waiting for this pool's first item: they fall back
+            elif outage.is_set():
+                self.outages[name] = asyncio.Event()
         return pools
+
+    async def probe(self, pool: str) -> dict:
+        """One replica's stats. A replica that just died fails at once, and Serve sends the retry to
+        another: one dead replica of several does not make the pool look down."""
+        try:
+            return await asyncio.wait_for(self.pools[pool].stats.remote(), HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            raise
+        except Exception:
+            return await asyncio.wait_for(self.pools[pool].stats.remote(), HEALTH_TIMEOUT_S)
 
     def router_state(self) -> dict:
         state = {}

@@ -14,9 +14,26 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+# Bounds on what a client may send (besides the body size, `gateway.max_request_body_bytes`): OpenAI's
+# own where it publishes one (messages), else generous ones that keep per-token work bounded.
+MAX_MESSAGES = 2048
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_LENGTH = 256  # characters: the detokenizer holds back text that may begin a stop string
+MAX_STOP_TOKEN_IDS = 256
+# `apply_chat_template`'s own arguments: `chat_template_kwargs` may set the template's variables
+# (enable_thinking, ...) but not these. A template sent by a client would run in the pool replica
+# (an endless loop in it blocks the replica; vLLM refuses one unless trusted), and the others would
+# change how the prompt is built (sanitize_control_tokens=False lets message text become special tokens).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+        "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
 
 
 class _Request(BaseModel):
@@ -46,7 +63,8 @@ class _Response(BaseModel):
 
 
 class ContentPart(_Lenient):
-    type: str
+    # Published as the one type served; validated below, so the error names the unsupported type.
+    type: str = Field(json_schema_extra={"enum": ["text"]})
     text: str | None = None
 
     @model_validator(mode="after")
@@ -209,7 +227,7 @@ class SamplingRequest(_Request):
     repetition_penalty: float | None = Field(None, gt=0)
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool | None = None
     structured_outputs: StructuredOutputs | None = None
 
@@ -219,15 +237,17 @@ class SamplingRequest(_Request):
         if stop is None:
             return None
         stops = [stop] if isinstance(stop, str) else stop
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must not be empty")
+        if any(len(s) > MAX_STOP_LENGTH for s in stops):
+            raise ValueError(f"stop sequences must be at most {MAX_STOP_LENGTH} characters long")
         return stops
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
@@ -237,6 +257,14 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs or {}))
+        if reserved:
+            raise ValueError(f"may set the chat template's variables only, not {', '.join(reserved)}")
+        return kwargs
 
     @property
     def max_output_tokens(self) -> int | None:
@@ -262,9 +290,18 @@ class CompletionRequest(SamplingRequest):
         return list(p)
 
 
+# What the gateway embeds: text (its MiniLM takes no token arrays, which are refused by name, not by
+# the schema, so the error says so); published as such.
+_EMBEDDING_TEXT = {"type": "string", "minLength": 1}
+EmbeddingInput = Annotated[
+    str | list[str] | list[int] | list[list[int]],
+    WithJsonSchema({"anyOf": [_EMBEDDING_TEXT, {"type": "array", "items": _EMBEDDING_TEXT, "minItems": 1}]}),
+]
+
+
 class EmbeddingRequest(_Request):
     model: str
-    input: str | list[str] | list[int] | list[list[int]]
+    input: EmbeddingInput
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None

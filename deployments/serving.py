@@ -70,7 +70,9 @@ class OpenAIServing:
     ) -> AsyncIterator[str | OpenAIError]:
         try:
             prompt_ids = self.render_chat(req, plan)
-            self.check_length(len(prompt_ids), params.max_tokens, "messages")
+            # Name the limit as the client did (max_completion_tokens wins when both are set).
+            output = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+            self.check_length(len(prompt_ids), params.max_tokens, "messages", output)
             kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
             engine_params = params.clone(output_kind=kind)
             first, gen = await self._start(prompt_ids, engine_params, request_id, "messages", priority)
@@ -338,7 +340,9 @@ class OpenAIServing:
 
     # -- shared ---------------------------------------------------------------------------------
 
-    def check_length(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
+    def check_length(
+        self, num_prompt: int, max_tokens: int | None, param: str, output_param: str = "max_tokens"
+    ) -> None:
         limit = self.max_model_len
         if num_prompt >= limit:
             raise invalid(
@@ -349,7 +353,7 @@ class OpenAIServing:
             )
         if max_tokens is not None and num_prompt + max_tokens > limit:
             raise invalid(
-                "max_tokens",
+                output_param,
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{num_prompt + max_tokens} tokens ({num_prompt} in the {param}, {max_tokens} in the "
                 f"completion). Please reduce the length of the {param} or completion.",

@@ -108,6 +108,10 @@ class Router:
         deadline = self.admission.clock() + principal.tier.max_queue_wait_s
         return DispatchPlan(resolution, principal, chain, self.admission, self.breakers, deadline)
 
+    def check_rate(self, principal: Principal, prompt_tokens: int = 0) -> None:
+        """Charge the rate limit of a request served without a pool (embeddings); 429 when over it."""
+        self.rate_limiter.check(principal.key_id, principal.tier, prompt_tokens)
+
     def record_usage(self, principal: Principal, generated_tokens: int) -> None:
         """Count generated tokens against the key's tokens/min once the response is done."""
         self.rate_limiter.charge_tokens(principal.key_id, principal.tier, generated_tokens)

@@ -9,6 +9,11 @@ within one. Waiting is bounded three ways, each answered with OverloadedError (4
 - a pool holds at most `max_waiting` waiters in all; when that is full, an arrival takes the place
   of the newest waiter of a lower-priority sheddable tier, or is turned away.
 So overload never grows memory: at most sum(max_waiting) requests wait anywhere.
+
+A tier with `max_pool_share` < 1 holds at most that share of a pool's slots at once, so a flood of
+its requests leaves the rest free for other tiers: premium traffic then gets a slot at once instead
+of waiting for a sheddable request to finish. A waiter held back by its share lets the ones behind
+it pass.
 """
 
 import asyncio
@@ -44,6 +49,7 @@ class _Pool:
     capacity: int
     max_waiting: int
     in_flight: int = 0
+    by_tier: dict[str, int] = field(default_factory=dict)  # slots held per tier name
     waiters: list[_Waiter] = field(default_factory=list)  # a heap
     service_s: float | None = None  # smoothed time a request holds a slot
 
@@ -60,7 +66,7 @@ class Ticket:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self._controller._release(self.pool, self._controller.clock() - self._granted_at)
+            self._controller._release(self.pool, self.tier, self._controller.clock() - self._granted_at)
 
 
 class AdmissionController:
@@ -82,10 +88,11 @@ class AdmissionController:
         return PoolLoad(p.in_flight, len(p.waiters), p.capacity)
 
     def try_acquire(self, pool: str, tier: TierConfig) -> Ticket | None:
-        """A slot now if one is free (nobody waits then), else None."""
+        """A slot now if the tier may take one, else None. (After every release the waiters that may
+        take a slot have one, so a free slot here is not owed to anybody waiting.)"""
         p = self._pools[pool]
-        if p.in_flight < p.capacity and not p.waiters:
-            p.in_flight += 1
+        if self._may_take(p, tier):
+            self._take(p, tier)
             return Ticket(self, pool, tier, 0.0)
         return None
 
@@ -112,7 +119,7 @@ class AdmissionController:
             ) from None
         except asyncio.CancelledError:
             if _granted(waiter.future):  # the slot came as the caller went away: give it back
-                self._release(pool, 0.0, learn=False)
+                self._release(pool, tier, 0.0, learn=False)
             self._forget(p, waiter)
             raise
         return Ticket(self, pool, tier, self.clock() - start)
@@ -120,7 +127,7 @@ class AdmissionController:
     def estimated_wait(self, pool: str, tier: TierConfig) -> float:
         """Seconds a new request of `tier` would wait for `pool`, from the queue ahead of it."""
         p = self._pools[pool]
-        if p.in_flight < p.capacity and not p.waiters:
+        if self._may_take(p, tier):
             return 0.0
         ahead = sum(1 for w in p.waiters if w.priority <= tier.priority)
         rounds = ahead // max(p.capacity, 1) + 1  # slots free up `capacity` at a time
@@ -163,9 +170,20 @@ class AdmissionController:
         )
         return True
 
-    def _release(self, pool: str, held_s: float, learn: bool = True) -> None:
+    @staticmethod
+    def _may_take(p: _Pool, tier: TierConfig) -> bool:
+        share = max(1, int(p.capacity * tier.max_pool_share))
+        return p.in_flight < p.capacity and p.by_tier.get(tier.name, 0) < share
+
+    @staticmethod
+    def _take(p: _Pool, tier: TierConfig) -> None:
+        p.in_flight += 1
+        p.by_tier[tier.name] = p.by_tier.get(tier.name, 0) + 1
+
+    def _release(self, pool: str, tier: TierConfig, held_s: float, learn: bool = True) -> None:
         p = self._pools[pool]
         p.in_flight -= 1
+        p.by_tier[tier.name] -= 1
         if learn:
             p.service_s = (
                 held_s
@@ -175,11 +193,20 @@ class AdmissionController:
         self._dispatch(p)
 
     def _dispatch(self, p: _Pool) -> None:
-        while p.waiters and p.in_flight < p.capacity:
-            waiter = heapq.heappop(p.waiters)
-            if not waiter.future.done():  # done = timed out or cancelled, being cleaned up by its task
-                p.in_flight += 1
+        """Grant free slots to waiters in (priority, arrival) order, passing over those whose tier
+        holds its whole share."""
+        if not p.waiters or p.in_flight >= p.capacity:
+            return
+        kept = []
+        for waiter in sorted(p.waiters):
+            if waiter.future.done():  # timed out or cancelled, being cleaned up by its task
+                continue
+            if self._may_take(p, waiter.tier):
+                self._take(p, waiter.tier)
                 waiter.future.set_result(None)
+            else:
+                kept.append(waiter)
+        p.waiters = kept  # sorted, hence a heap
 
     @staticmethod
     def _forget(p: _Pool, waiter: _Waiter) -> None:

@@ -5,9 +5,13 @@ Qwen3-MoE as `reasoning`) behind the gateway, on a free local port. Router tests
 on the same Serve (`router_server`, under /router): API keys, tiers, routes, tiny pool capacities,
 and pools whose failures a test can switch on."""
 
+import contextlib
+import os
+import signal
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -187,3 +191,25 @@ def wait_healthy(url: str, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{url} did not answer 200 within {timeout_s:g} s")
         time.sleep(0.5)
+
+
+def stop_processes_mentioning(marker: str, grace_s: float = 10.0) -> None:
+    """Kill the processes whose command line names `marker` (this cluster's temp dir)."""
+
+    def matching() -> list[int]:
+        pids = []
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and marker.encode() in (proc / "cmdline").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+        return pids
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in matching():
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while matching() and time.monotonic() < deadline:
+            time.sleep(0.2)

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.live_servers import stop_processes_mentioning
+
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "sk-k8s-test"
 pytestmark = pytest.mark.timeout(900)
@@ -94,28 +96,6 @@ class LocalCluster:
             assert time.monotonic() < deadline, f"job {job} still {status}"
             time.sleep(1)
         return status.value, client.get_job_logs(job)
-
-
-def stop_processes_mentioning(marker: str, grace_s: float = 10.0) -> None:
-    """Kill the processes whose command line names `marker` (this cluster's temp dir)."""
-
-    def matching() -> list[int]:
-        pids = []
-        for proc in Path("/proc").iterdir():
-            try:
-                if proc.name.isdigit() and marker.encode() in (proc / "cmdline").read_bytes():
-                    pids.append(int(proc.name))
-            except OSError:
-                continue
-        return pids
-
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in matching():
-            with contextlib.suppress(OSError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + grace_s
-        while matching() and time.monotonic() < deadline:
-            time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")

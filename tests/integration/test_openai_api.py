@@ -517,8 +517,10 @@ def alive(pid: int) -> bool:
 
 
 def test_raylane_serve_runs_the_embedded_default_until_ctrl_c(demo_models):
-    """The README's main command on a machine with the demo models: a fresh Ray, three pools, and
-    nothing left running after Ctrl-C."""
+    """The README's main command on a machine with the demo models: a fresh Ray, three pools; Ctrl-C
+    drains (a running stream finishes, new requests get 503) and leaves nothing running."""
+    import httpx2
+
     from tests.live_servers import free_port
 
     port = free_port()
@@ -544,7 +546,34 @@ def test_raylane_serve_runs_the_embedded_default_until_ctrl_c(demo_models):
         assert r.usage.completion_tokens == 4
         started = descendants(proc.pid)
         assert len(started) > 5  # gcs, raylet, Serve's controller and proxy, the replicas, ...
+
+        # Ctrl-C while a stream runs: it finishes, and new requests meanwhile get 503 + Retry-After.
+        streaming, finish = threading.Event(), []
+
+        def stream() -> None:
+            chunks = client.chat.completions.create(
+                model="chat", messages=HELLO, max_tokens=1000, stream=True, extra_body={"ignore_eos": True}
+            )
+            for chunk in chunks:
+                streaming.set()
+                finish.extend(c.finish_reason for c in chunk.choices if c.finish_reason)
+
+        streamer = threading.Thread(target=stream)
+        streamer.start()
+        assert streaming.wait(60)
         proc.send_signal(signal.SIGINT)
+        hello = {"model": "chat", "messages": HELLO, "max_tokens": 4}
+
+        def rejected():
+            response = httpx2.post(f"{url}/chat/completions", json=hello, timeout=30)
+            return response if response.status_code == 503 else None
+
+        turned_away = wait_for(rejected, timeout=30, interval=0.1)
+        assert turned_away, "no 503 while draining"
+        assert int(turned_away.headers["retry-after"]) >= 1
+        assert turned_away.json()["error"]["code"] == "draining"
+        streamer.join(timeout=120)
+        assert finish == ["length"]  # the stream in flight ran to its end
         assert proc.wait(timeout=90) == 0
         assert wait_for(lambda: not [p for p in started if alive(p)], timeout=15), [
             p for p in started if alive(p)

@@ -101,7 +101,7 @@ def validate(obj: dict, crd_schemas: dict) -> None:
             jsonschema.Draft7Validator(crd_schemas[obj["kind"]]).validate(obj)
         except jsonschema.ValidationError as e:
             pytest.fail(f"{where}: {'.'.join(map(str, e.absolute_path))}: {e.message}")
-    elif obj["kind"] == "ServiceMonitor":  # a Prometheus-operator CRD: no schema here; checked below
+    elif obj["kind"] == "PodMonitor":  # a Prometheus-operator CRD: no schema here; checked below
         assert obj["apiVersion"] == "monitoring.coreos.com/v1"
     else:
         try:
@@ -116,7 +116,7 @@ def test_every_manifest_validates(directory, crd_schemas):
     assert objects
     kinds = {o["kind"] for o in objects}
     if directory != "k8s/jobs":
-        assert {"RayService", "Service", "PodDisruptionBudget", "NetworkPolicy", "ServiceMonitor"} <= kinds
+        assert {"RayService", "PodDisruptionBudget", "NetworkPolicy", "PodMonitor"} <= kinds
     else:
         assert kinds == {"RayJob"} and len(objects) == len(k8s.JOBS)
     for obj in objects:
@@ -124,15 +124,15 @@ def test_every_manifest_validates(directory, crd_schemas):
 
 
 def test_a_schema_violation_is_caught(crd_schemas):
-    """The validators do reject: a worker group without maxReplicas, a Service port as text."""
+    """The validators do reject: a worker group without maxReplicas, a NetworkPolicy port as a list."""
     service = next(o for o in build(K8S / "base") if o["kind"] == "RayService")
     del service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplicas"]
     with pytest.raises(pytest.fail.Exception, match="maxReplicas"):
         validate(service, crd_schemas)
-    metrics = next(o for o in build(K8S / "base") if o["kind"] == "Service")
-    metrics["spec"]["ports"][0]["port"] = "eighty"
+    policy = next(o for o in build(K8S / "base") if o["kind"] == "NetworkPolicy")
+    policy["spec"]["ingress"][1]["ports"][0]["port"] = [8000]
     with pytest.raises(pytest.fail.Exception, match="port"):
-        validate(metrics, crd_schemas)
+        validate(policy, crd_schemas)
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with kustomize) not installed")
@@ -208,26 +208,36 @@ def test_gpu_worker_groups_follow_the_pools():
             assert mounts["models"] == "/models"
 
 
-def test_network_policy_opens_only_http_and_metrics():
+def test_network_policy_opens_only_the_http_port():
     policy = next(o for o in build(K8S / "base") if o["kind"] == "NetworkPolicy")
-    open_ports = set()
+    open_ports, named_sources = set(), {}
     for rule in policy["spec"]["ingress"]:
         sources = rule.get("from")
         if not sources:  # from anywhere
             open_ports |= {p["port"] for p in rule["ports"]}
         elif all("podSelector" in s and "namespaceSelector" not in s for s in sources):
             assert sources == [{"podSelector": policy["spec"]["podSelector"]}]  # the cluster's own pods
-        else:  # the KubeRay operator, which deploys serveConfigV2 and submits jobs via the dashboard
-            assert [p["port"] for p in rule["ports"]] == [k8s.DASHBOARD_PORT]
-    assert open_ports == {8000, k8s.METRICS_PORT}
+        else:  # pods of one app in any namespace
+            (source,) = sources
+            app = source["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+            named_sources[app] = [p["port"] for p in rule["ports"]]
+    assert open_ports == {8000}
+    # Prometheus scrapes the metrics port; the KubeRay operator deploys serveConfigV2 and submits jobs
+    # through the dashboard.
+    assert named_sources == {"prometheus": [k8s.METRICS_PORT], "kuberay-operator": [k8s.DASHBOARD_PORT]}
 
 
-def test_service_monitor_scrapes_the_metrics_service():
+def test_pod_monitor_scrapes_every_ray_pod():
     objects = build(K8S / "base")
-    monitor = next(o for o in objects if o["kind"] == "ServiceMonitor")
-    service = next(o for o in objects if o["kind"] == "Service")
-    assert monitor["spec"]["selector"]["matchLabels"] == service["metadata"]["labels"]
-    assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
+    monitor = next(o for o in objects if o["kind"] == "PodMonitor")
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    cluster = ray_service("k8s/base")["spec"]["rayClusterConfig"]
+    templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    for template in templates:
+        assert selector.items() <= template["metadata"]["labels"].items()
+        ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
+        assert ports[endpoint["port"]] == k8s.METRICS_PORT
 
 
 def test_render_refuses_what_a_manifest_cannot_hold(tmp_path, capsys):

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from cluster.router_config import TierConfig
-from router.admission import AdmissionController
+from router.admission import AdmissionController, PoolLoad
 from router.errors import OverloadedError
 
 PREMIUM = TierConfig(name="premium", priority=0, max_queue_depth=8, max_queue_wait_s=5)
@@ -132,3 +132,29 @@ async def test_raising_capacity_admits_waiters():
     assert admission.load("coding").in_flight == 2
     ticket.release()
     holder.release()
+
+
+async def test_a_tier_past_its_pool_share_leaves_slots_for_the_others():
+    """Free may hold 2 of 4 slots: a flood of free requests queues, premium still gets a slot at once,
+    and a free waiter held back by the share does not block a standard one behind it."""
+    admission = controller(capacity=4)
+    half_free = FREE.model_copy(update={"max_pool_share": 0.5})
+    held = [await admission.acquire("coding", half_free) for _ in range(2)]
+    flood = [asyncio.create_task(admission.acquire("coding", half_free)) for _ in range(3)]
+    await settle()
+    assert admission.load("coding") == PoolLoad(in_flight=2, waiting=3, capacity=4)
+    premium = await asyncio.wait_for(admission.acquire("coding", PREMIUM), 1)  # no wait
+    standard = await asyncio.wait_for(admission.acquire("coding", STANDARD), 1)
+    assert admission.load("coding").in_flight == 4
+    premium.release()  # a free slot, but free holds its share: nobody of the flood gets it
+    await settle()
+    assert not any(t.done() for t in flood)
+    held[0].release()  # free's own slot: the first free waiter takes it
+    await settle()
+    assert [t.done() for t in flood] == [True, False, False]
+    for ticket in [standard, held[1], flood[0].result()]:
+        ticket.release()
+    await settle()
+    for task in flood[1:]:
+        (await task).release()
+    assert admission.load("coding") == PoolLoad(in_flight=0, waiting=0, capacity=4)

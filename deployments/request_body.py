@@ -1,0 +1,83 @@
+"""Reading a request's JSON body within limits, before any of it is parsed.
+
+A client decides how much it sends and how deeply it nests it, so both are bounded here, each with a
+4xx in OpenAI's shape: a body over `gateway.max_request_body_bytes` is a 413, refused on its
+Content-Length before a byte is read, or, sent chunked without one, as soon as the bytes read pass
+the limit (the rest is never read). JSON nested deeper than `MAX_JSON_DEPTH` is a 400: Python's
+decoder and the validators after it recurse per level and would otherwise fail with RecursionError
+(a 500) on a few kilobytes of brackets.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.requests import Request
+
+from deployments.errors import OpenAIError, invalid
+
+MAX_JSON_DEPTH = 64  # real tool schemas nest a dozen levels; json.loads itself gives up near 1000
+
+
+def body_too_large(max_bytes: int, got: int | None = None) -> OpenAIError:
+    size = f" (got {got} bytes)" if got is not None else ""
+    return OpenAIError(
+        f"The request body is too large: this server accepts at most {max_bytes} bytes{size}.",
+        status=413,
+        code="request_too_large",
+    )
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The whole body, or a 413 as soon as it is known to be longer than `max_bytes`."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise body_too_large(max_bytes, int(declared))
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:  # chunked (or lying about its length): stop reading here
+            raise body_too_large(max_bytes)
+    return bytes(body)
+
+
+async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
+    body = await read_body(request, max_bytes)
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise OpenAIError(
+            f"We could not parse the JSON body of your request: {e}. (The body must be valid JSON.)",
+            param=None,
+            code="invalid_json",
+        ) from None
+    except RecursionError:
+        raise too_deep() from None
+    if not isinstance(data, dict):
+        raise invalid(None, "The request body must be a JSON object.", code="invalid_json")
+    if nesting_depth(data, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise too_deep()
+    return data
+
+
+def too_deep() -> OpenAIError:
+    return invalid(
+        None, f"The JSON body is nested too deeply: at most {MAX_JSON_DEPTH} levels.", code="invalid_json"
+    )
+
+
+def nesting_depth(value: Any, stop_above: int) -> int:
+    """Levels of objects and arrays in `value` (a scalar is 0), counted without recursion; stops
+    early once past `stop_above`."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > stop_above:
+            return deepest
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return deepest

@@ -1,0 +1,100 @@
+"""Reliability tests: each module deploys its own small app on the session's Serve (so killing a
+replica or draining a gateway disturbs no other test) and records its figures with `report`; the
+table is printed at the end of the run, and written as JSON to $RAYLANE_RELIABILITY_REPORT if set
+(the README's reliability table comes from there)."""
+
+import json
+import os
+import time
+from contextlib import contextmanager
+
+import pytest
+
+RESULTS: dict[str, dict] = {}
+
+
+@pytest.fixture
+def report():
+    """report(name, **figures): one row of the reliability table."""
+
+    def record(name: str, **figures) -> None:
+        RESULTS[name] = figures
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not RESULTS:
+        return
+    terminalreporter.section("reliability figures")
+    for name, figures in RESULTS.items():
+        terminalreporter.write_line(f"{name}: " + ", ".join(f"{k}={v}" for k, v in figures.items()))
+    if path := os.environ.get("RAYLANE_RELIABILITY_REPORT"):
+        with open(path, "w") as f:
+            json.dump(RESULTS, f, indent=2)
+
+
+@contextmanager
+def deployed(api_server, name: str, config: dict):
+    """Deploy `config` (a ClusterConfig dict; http comes from the session's Serve) as app `name` under
+    /name; yields its base URL (…/name) once /health answers 200; deletes the app afterwards."""
+    from ray import serve
+
+    from cluster.config import ClusterConfig
+    from deployments.app import build_app
+    from tests.live_servers import wait_healthy
+
+    port = int(api_server.url.rsplit(":", 1)[1])
+    cluster = ClusterConfig.from_dict({"http": {"host": "127.0.0.1", "port": port}, **config})
+    serve.run(build_app(cluster), name=name, route_prefix=f"/{name}")
+    url = f"{api_server.url}/{name}"
+    try:
+        wait_healthy(f"{url}/health", 300)
+        yield url
+    finally:
+        serve.delete(name)
+
+
+def llama_pool(demo_models, name: str, **extra) -> dict:
+    engine = {"max_num_seqs": 8, "num_kv_blocks": 128, "cpus_per_rank": 0.25, "seed": 0}
+    return {
+        "name": name,
+        "model": str(demo_models["raylane-llama-tiny"]),
+        "engine": engine | extra.pop("engine", {}),
+        **extra,
+    }
+
+
+def wait_until(predicate, timeout_s: float, what: str, period_s: float = 0.25):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout_s:g} s")
+        time.sleep(period_s)
+
+
+def replica_rss_mb(app: str) -> dict[str, float]:
+    """Resident memory of each Serve replica process of `app` (Ray titles them
+    `ray::ServeReplica:APP:DEPLOYMENT`), in MiB, keyed by deployment."""
+    from pathlib import Path
+
+    marker = f"ray::ServeReplica:{app}:".encode()
+    out: dict[str, float] = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or not (proc / "cmdline").read_bytes().startswith(marker):
+                continue
+            title = (proc / "cmdline").read_bytes().split(b"\0")[0][len(marker) :].decode()
+            name = title.split(".")[0]  # the title ends with the method running now, if any
+            rss_kb = next(
+                int(line.split()[1])
+                for line in (proc / "status").read_text().splitlines()
+                if line.startswith("VmRSS:")
+            )
+        except (OSError, StopIteration):
+            continue
+        out[name] = out.get(name, 0.0) + rss_kb / 1024
+    return out

@@ -1,0 +1,27 @@
+"""A `ModelPool` that remembers the priority each request reached it with (shipped to replicas by value).
+
+The gateway passes the tier's priority with every pool call; the engine schedules by it. Recording it
+here, in front of the real pool, lets a test see what priority a request was actually served with."""
+
+from deployments.model_pool import ModelPool
+
+
+class RecordingPool(ModelPool):
+    def _record(self, request, priority: int) -> None:
+        if not hasattr(self, "seen"):
+            self.seen: list[tuple[str | None, int]] = []
+        self.seen.append((request.user, priority))
+
+    async def chat(self, request, params, plan, request_id, priority: int = 0):
+        self._record(request, priority)
+        async for item in super().chat(request, params, plan, request_id, priority):
+            yield item
+
+    async def completions(self, request, params, request_id, priority: int = 0):
+        self._record(request, priority)
+        async for item in super().completions(request, params, request_id, priority):
+            yield item
+
+    def priorities(self, user: str) -> list[int]:
+        """The priorities of the requests that named `user` (OpenAI's end-user field)."""
+        return [priority for u, priority in getattr(self, "seen", []) if u == user]

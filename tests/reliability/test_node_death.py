@@ -1,0 +1,169 @@
+"""A worker node that hosts a pool dies, and comes back.
+
+A Ray cluster of two raylets on this machine (apart from the session's Ray): the head runs the
+gateway and pool `backup`; the worker advertises `primary`'s pool resource, so `primary` can only
+run there. Killing the worker's process group (raylet, workers, agents: the node is gone at once)
+must move `primary`'s traffic to `backup`, with the fallback header; every request is answered. A
+new worker node joins; Serve places `primary` on it and traffic returns.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx2
+import pytest
+
+from cluster.k8s import pool_resource
+from tests.live_servers import free_port, stop_processes_mentioning, wait_healthy
+from tests.reliability.conftest import llama_pool, wait_until
+
+pytestmark = pytest.mark.timeout(900)
+RAY = str(Path(sys.executable).with_name("ray"))
+HELLO = {"model": "primary", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+class TwoNodeCluster:
+    def __init__(self, demo_models):
+        self.temp_dir = tempfile.mkdtemp(prefix="rlnode", dir="/tmp")  # short: socket paths have a limit
+        self.port, self.http_port = free_port(), free_port()
+        self.env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {
+            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+            "RAY_AUTH_MODE": "disabled",
+            "TOKENIZERS_PARALLELISM": "false",
+            # Notice a dead node in about a second, not the default fifteen.
+            "RAY_health_check_period_ms": "500",
+            "RAY_health_check_timeout_ms": "500",
+            "RAY_health_check_failure_threshold": "2",
+        }
+        self.demo_models = demo_models
+        self.worker: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def start_head(self) -> None:
+        ports = [free_port() for _ in range(4)]
+        command = [
+            RAY, "start", "--head", "--disable-usage-stats", f"--port={self.port}",
+            "--include-dashboard=false",
+            f"--dashboard-agent-listen-port={ports[0]}", f"--dashboard-agent-grpc-port={ports[1]}",
+            f"--metrics-export-port={ports[2]}", f"--ray-client-server-port={ports[3]}",
+            f"--temp-dir={self.temp_dir}", "--num-cpus=4",
+        ]  # fmt: skip
+        subprocess.run(command, env=self.env, check=True, capture_output=True, timeout=180)
+
+    def start_worker(self) -> None:
+        """A worker node in its own process group, in the foreground (`--block`): killing the group
+        takes the whole node down at once, as a lost machine would."""
+        ports = [free_port() for _ in range(3)]
+        command = [
+            RAY, "start", f"--address=127.0.0.1:{self.port}", "--block", "--num-cpus=2",
+            f"--resources={json.dumps({pool_resource('primary'): 1})}",
+            f"--dashboard-agent-listen-port={ports[0]}", f"--dashboard-agent-grpc-port={ports[1]}",
+            f"--metrics-export-port={ports[2]}",
+        ]  # fmt: skip
+        self.worker = subprocess.Popen(
+            command,
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def kill_worker(self) -> None:
+        os.killpg(self.worker.pid, signal.SIGKILL)
+        self.worker.wait(timeout=30)
+
+    def deploy(self) -> None:
+        config = {
+            "http": {"host": "127.0.0.1", "port": self.http_port},
+            "gateway": {"num_cpus": 0.1, "pool_health_period_s": 0.5},
+            "embeddings": {"enabled": False},
+            "pools": [llama_pool(self.demo_models, "primary"), llama_pool(self.demo_models, "backup")],
+            "router": {"routes": [{"name": "chat", "pool": "primary", "fallbacks": ["backup"]}]},
+        }
+        command = [sys.executable, "-m", "tests.reliability.node_death_app", json.dumps(config)]
+        env = self.env | {"RAY_ADDRESS": f"127.0.0.1:{self.port}"}
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    def stop(self) -> None:
+        if self.worker is not None and self.worker.poll() is None:
+            os.killpg(self.worker.pid, signal.SIGKILL)
+        # Not `ray stop`: it would kill every Ray on the machine, the test session's own included.
+        stop_processes_mentioning(self.temp_dir)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(demo_models):
+    cluster = TwoNodeCluster(demo_models)
+    try:
+        cluster.start_head()
+        cluster.start_worker()
+        cluster.deploy()
+        wait_healthy(f"{cluster.url}/health", 300)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def chat(url: str) -> tuple[int, str, str | None]:
+    """(status, pool, fallback header) of one request; status 0 when no HTTP answer came."""
+    try:
+        r = httpx2.post(f"{url}/v1/chat/completions", json=HELLO, timeout=120)
+    except httpx2.HTTPError as e:
+        return 0, type(e).__name__, None
+    return r.status_code, r.headers.get("x-raylane-pool", ""), r.headers.get("x-raylane-fallback")
+
+
+def test_traffic_moves_to_the_fallback_when_a_node_dies_and_returns_with_it(cluster, report):
+    assert chat(cluster.url)[:2] == (200, "primary")
+    answers: list[tuple[float, int, str, str | None]] = []
+    stop = threading.Event()
+
+    def steady_traffic() -> None:
+        while not stop.is_set():
+            answers.append((time.monotonic(), *chat(cluster.url)))
+            time.sleep(0.1)
+
+    sender = threading.Thread(target=steady_traffic)
+    sender.start()
+    try:
+        time.sleep(1)
+        cluster.kill_worker()
+        killed = time.monotonic()
+        wait_until(lambda: any(t > killed and pool == "backup" for t, _, pool, _ in answers), 120, "fallback")
+        fell_back = next(t for t, _, pool, _ in answers if t > killed and pool == "backup") - killed
+        time.sleep(2)
+        cluster.start_worker()
+        rejoined = time.monotonic()
+        wait_until(
+            lambda: any(t > rejoined and pool == "primary" for t, _, pool, _ in answers), 400, "primary back"
+        )
+        recovered = next(t for t, _, pool, _ in answers if t > rejoined and pool == "primary") - rejoined
+    finally:
+        stop.set()
+        sender.join(timeout=150)
+    statuses = [status for _, status, _, _ in answers]
+    assert statuses == [200] * len(statuses), {s: statuses.count(s) for s in set(statuses)}
+    after_kill = [(pool, fallback) for t, _, pool, fallback in answers if killed < t < rejoined]
+    assert after_kill and all(pool == "backup" and fallback for pool, fallback in after_kill[5:]), after_kill
+    assert after_kill[-1][1].startswith("primary")  # the header names the pool it fell back from
+    report(
+        "node death",
+        sent=len(answers),
+        lost=0,
+        status_5xx=0,
+        first_fallback_after_s=round(fell_back, 1),
+        primary_back_after_node_joined_s=round(recovered, 1),
+    )
