@@ -143,13 +143,15 @@ def sse_error(error: OpenAIError) -> str:
 
 async def relay(first: str, call, slot: Slot | None = None, on_done=None):
     """Relay a pool's SSE events; a failure mid-stream becomes an error event (the SDK raises it).
-    The pool's slot is released when the stream ends; `on_done(events)` then counts usage."""
-    finished, failed, events = False, False, 0
+    The pool's slot is released when the stream ends; `on_done(tokens)` then counts usage: the
+    pool's summary when it came (an event may carry several tokens), else the events relayed."""
+    finished, failed, events, tokens = False, False, 0, None
     try:
         yield first
         async for chunk in call:
             if isinstance(chunk, RequestSummary):  # the pool's closing summary, for the request log
                 note_summary(chunk)
+                tokens = chunk.prompt_tokens + chunk.completion_tokens
                 continue
             if not isinstance(chunk, str):
                 failed, chunk = True, sse_error(pool_failure(chunk))
@@ -169,7 +171,7 @@ async def relay(first: str, call, slot: Slot | None = None, on_done=None):
         if slot is not None:  # after the first token: no retry, only the breaker learns of a failure
             slot.failed() if failed else slot.succeeded()
         if on_done is not None:
-            on_done(events)
+            on_done(events if tokens is None else tokens)
 
 
 async def parse_body(request: Request, model: type[BaseModel], max_bytes: int) -> Any:
@@ -401,9 +403,9 @@ class Gateway:
                 self.router.record_usage(principal, _total_tokens(first))
                 return Response(first, media_type="application/json", headers=headers)
 
-            def on_done(events: int) -> None:
+            def on_done(tokens: int) -> None:
                 self.drain.in_flight -= 1
-                self.router.record_usage(principal, events)
+                self.router.record_usage(principal, tokens)
 
             return StreamingResponse(
                 relay(first, call, slot, on_done),

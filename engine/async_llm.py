@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.executor import EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -70,16 +70,26 @@ class AsyncLLM:
         added: asyncio.Future = stream.loop.create_future()
         self._send(("add", request_id, prompt, sampling_params, priority, stream, added))
         await added  # raises the engine's ValueError for a bad prompt or parameter
-        finished = False
+        delta = sampling_params is not None and sampling_params.output_kind == RequestOutputKind.DELTA
+        finished, failure = False, None
         try:
-            while True:
+            while failure is None:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                # Outputs that piled up while the consumer was busy (sending the last one on, a slow
+                # client) go out as one, as in vLLM: the stream keeps up with the engine.
+                while not item.finished and not stream.queue.empty():
+                    newer = stream.queue.get_nowait()
+                    if isinstance(newer, BaseException):
+                        failure = newer
+                        break
+                    item = item.merged(newer, delta)
                 yield item
                 if item.finished:
                     finished = True
                     return
+            raise failure
         finally:
             if not finished:
                 await asyncio.shield(self.abort(request_id))

@@ -1,6 +1,6 @@
 """What the engine returns, shaped like vLLM's `RequestOutput`."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(slots=True)
@@ -36,3 +36,20 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict = field(default_factory=dict)
+
+    def merged(self, newer: "RequestOutput", delta: bool) -> "RequestOutput":
+        """This output followed by `newer`, as one (for a consumer that fell behind). Cumulative and
+        final outputs already hold everything: the newer one stands. Delta outputs are joined per
+        completion: text, tokens and logprobs appended, the newer finish reason."""
+        if not delta:
+            return newer
+        mine = {c.index: c for c in self.outputs}
+        outputs = []
+        for comp in newer.outputs:
+            old = mine.get(comp.index)
+            if old is not None:
+                logprobs = None if comp.logprobs is None else (old.logprobs or []) + comp.logprobs
+                text, token_ids = old.text + comp.text, old.token_ids + comp.token_ids
+                comp = replace(comp, text=text, token_ids=token_ids, logprobs=logprobs)
+            outputs.append(comp)
+        return replace(newer, outputs=outputs)

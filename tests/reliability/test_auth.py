@@ -8,6 +8,7 @@ with. The keys are unique per run, so finding one in a log file means this run w
 """
 
 import hashlib
+import json
 import uuid
 from pathlib import Path
 
@@ -18,9 +19,10 @@ from tests.reliability.test_untrusted_input import assert_openai_error
 
 APP = "auth"
 RUN = uuid.uuid4().hex[:12]
-KEYS = {tier: f"sk-canary-{tier}-{RUN}" for tier in ("premium", "free", "limited")}
+KEYS = {tier: f"sk-canary-{tier}-{RUN}" for tier in ("premium", "free", "limited", "metered")}
 WRONG_KEY = f"sk-canary-wrong-{RUN}"
-PRIORITY = {"premium": 0, "limited": 1, "free": 2}
+PRIORITY = {"premium": 0, "limited": 1, "metered": 1, "free": 2}
+LIMITS = {"limited": {"requests_per_minute": 3}, "metered": {"tokens_per_minute": 50}}
 HI = [{"role": "user", "content": "hi"}]
 
 
@@ -35,9 +37,7 @@ def app_config(demo_models, port: int):
             "gateway": {"num_cpus": 0.1},
             "pools": [llama_pool(demo_models, "chat", engine={"max_model_len": 64})],
             "tiers": [
-                {"name": name, "priority": PRIORITY[name], **tier}
-                | ({"requests_per_minute": 3} if name == "limited" else {})
-                for name in KEYS
+                {"name": name, "priority": PRIORITY[name], **tier, **LIMITS.get(name, {})} for name in KEYS
             ],
             "api_keys": {"keys": {key: tier for tier, key in KEYS.items()}, "default_tier": "free"},
         }
@@ -166,6 +166,27 @@ def test_a_keys_rate_limit_is_429_with_retry_after(http):
         assert 1 <= int(r.headers["retry-after"]) <= 60, r.headers  # one request's worth: 20 s
     # The limit is the key's: another key is served.
     assert http.post("/v1/completions", json=body, headers=bearer(KEYS["premium"])).status_code == 200
+
+
+def test_a_streamed_answer_is_charged_its_tokens(http):
+    """tokens/min counts a stream's prompt and generated tokens (not its SSE events, which may carry
+    several tokens each): one 60-token stream puts the 50 tokens/min key over its limit."""
+    body = {
+        "model": "chat",
+        "messages": [{"role": "user", "content": "one two three four five six seven eight nine ten"}],
+        "max_tokens": 40,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with http.stream("POST", "/v1/chat/completions", json=body, headers=bearer(KEYS["metered"])) as r:
+        assert r.status_code == 200
+        usage = [json.loads(line[6:])["usage"] for line in r.iter_lines() if '"usage":{' in line]
+    assert usage[-1]["total_tokens"] > 50 and usage[-1]["completion_tokens"] == 40
+    hi = {"model": "chat", "messages": HI, "max_tokens": 1}
+    r = http.post("/v1/chat/completions", json=hi, headers=bearer(KEYS["metered"]))
+    assert assert_openai_error(r, 429)["code"] == "rate_limit_exceeded"
+    assert "tokens/min" in r.json()["error"]["message"]
 
 
 def test_a_client_cannot_raise_its_own_tier(http):

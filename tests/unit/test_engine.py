@@ -112,6 +112,34 @@ async def test_client_leaving_the_stream_aborts_the_request(llama):
     engine.shutdown()
 
 
+async def test_a_consumer_that_falls_behind_gets_the_piled_up_deltas_as_one(llama):
+    """A slow reader of a DELTA stream (a busy replica, a slow client) gets fewer, bigger outputs that
+    add up to exactly what a prompt reader gets: no token, text or logprob lost or repeated."""
+    from engine import RequestOutputKind
+
+    engine = AsyncLLM(model=llama, num_kv_blocks=64)
+    params = SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=True, logprobs=2, output_kind=RequestOutputKind.DELTA
+    )
+
+    async def read(slow: bool, rid: str) -> tuple[int, list[int], str, int]:
+        outputs, tokens, text, logprobs = 0, [], "", 0
+        async for out in engine.generate(random_prompt(12, 9), params, request_id=rid):
+            outputs += 1
+            tokens += out.outputs[0].token_ids
+            text += out.outputs[0].text
+            logprobs += len(out.outputs[0].logprobs or [])
+            if slow:
+                await asyncio.sleep(0.05)  # the engine thread runs on meanwhile
+        return outputs, tokens, text, logprobs
+
+    prompt_outputs, *prompt = await read(False, "prompt")
+    slow_outputs, *slow = await read(True, "slow")
+    engine.shutdown()
+    assert slow == prompt and len(prompt[0]) == 40 and prompt[2] == 40
+    assert slow_outputs < prompt_outputs
+
+
 def test_priority_zero_request_is_scheduled_before_earlier_priority_one_requests(llama):
     engine = LLMEngine(EngineConfig(model=llama, num_kv_blocks=64, max_num_seqs=1))
     engine.add_request(random_prompt(8, 20), greedy(6), request_id="running")  # fills the batch
