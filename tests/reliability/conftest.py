@@ -37,7 +37,8 @@ def pytest_terminal_summary(terminalreporter):
 @contextmanager
 def deployed(api_server, name: str, config: dict):
     """Deploy `config` (a ClusterConfig dict; http comes from the session's Serve) as app `name` under
-    /name; yields its base URL (…/name) once /health answers 200; deletes the app afterwards."""
+    /name; yields its base URL (…/name) once /health answers 200; deletes the app afterwards. Unless
+    the config says otherwise: a small gateway, no embeddings, one route `chat` to the first pool."""
     from ray import serve
 
     from cluster.config import ClusterConfig
@@ -45,7 +46,12 @@ def deployed(api_server, name: str, config: dict):
     from tests.live_servers import wait_healthy
 
     port = int(api_server.url.rsplit(":", 1)[1])
-    cluster = ClusterConfig.from_dict({"http": {"host": "127.0.0.1", "port": port}, **config})
+    defaults = {
+        "gateway": {"num_cpus": 0.1},
+        "embeddings": {"enabled": False},
+        "router": {"routes": [{"name": "chat", "pool": config["pools"][0]["name"]}]},
+    }
+    cluster = ClusterConfig.from_dict({"http": {"host": "127.0.0.1", "port": port}, **defaults, **config})
     serve.run(build_app(cluster), name=name, route_prefix=f"/{name}")
     url = f"{api_server.url}/{name}"
     try:

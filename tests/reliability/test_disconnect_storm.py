@@ -19,10 +19,7 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture(scope="module")
 def app(api_server, demo_models):
     config = {
-        "gateway": {"num_cpus": 0.1},
-        "embeddings": {"enabled": False},
         "pools": [llama_pool(demo_models, "chat", max_in_flight=16, max_waiting=CLIENTS)],
-        "router": {"routes": [{"name": "chat", "pool": "chat"}]},
         "tiers": [{"name": "open", "priority": 0, "max_queue_depth": CLIENTS, "max_queue_wait_s": 120}],
         "api_keys": {"default_tier": "open"},
     }

@@ -18,13 +18,7 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def app(api_server, demo_models):
-    config = {
-        "gateway": {"num_cpus": 0.1},
-        "embeddings": {"enabled": False},
-        "pools": [llama_pool(demo_models, "chat")],
-        "router": {"routes": [{"name": "chat", "pool": "chat"}]},
-    }
-    with deployed(api_server, APP, config) as url:
+    with deployed(api_server, APP, {"pools": [llama_pool(demo_models, "chat")]}) as url:
         yield url
 
 

@@ -27,10 +27,7 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture(scope="module")
 def app(api_server, demo_models):
     config = {
-        "gateway": {"num_cpus": 0.1},
-        "embeddings": {"enabled": False},
         "pools": [llama_pool(demo_models, "main", max_in_flight=CAPACITY, max_waiting=MAX_WAITING)],
-        "router": {"routes": [{"name": "chat", "pool": "main"}]},
         "tiers": [
             {"name": "premium", "priority": 0},
             {

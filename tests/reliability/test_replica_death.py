@@ -23,7 +23,6 @@ pytestmark = pytest.mark.timeout(600)
 def app(api_server, demo_models):
     config = {
         "gateway": {"num_cpus": 0.1, "pool_health_period_s": 0.5},
-        "embeddings": {"enabled": False},
         "pools": [
             llama_pool(demo_models, "primary", replicas={"min_replicas": 2, "max_replicas": 2}),
             llama_pool(demo_models, "backup"),

@@ -44,6 +44,7 @@ def untrusted(api_server, demo_models):
     config = {
         "gateway": {"num_cpus": 0.1, "max_request_body_bytes": BODY_LIMIT, "max_batch_prompts": BATCH_LIMIT},
         "pools": [llama_pool(demo_models, "chat", engine={"max_model_len": CONTEXT}, max_n=4)],
+        "embeddings": {"enabled": True},  # fuzzed too
         # Open mode, one tier without rate limits: the fuzz is one client sending fast.
         "tiers": [{"name": "open", "priority": 0, "max_queue_depth": 64, "max_queue_wait_s": 60}],
         "api_keys": {"default_tier": "open"},
