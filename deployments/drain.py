@@ -20,6 +20,9 @@ import ray
 
 logger = logging.getLogger(__name__)
 POLL_PERIOD_S = 0.2  # how often a gateway replica reports; the delay before it turns new requests away
+# A replica that has not looked for the coordinator yet is unknown to it: the drain waits this long
+# (several polls) before it trusts that the replicas it has heard from are all there are.
+SETTLE_S = 1.0
 NAMESPACE = "raylane"
 RETRY_AFTER_S = 5  # what a draining gateway tells new clients
 
@@ -63,13 +66,14 @@ def drain_app(app_name: str, timeout_s: float, on_wait=None) -> dict[str, int]:
     ).remote()
     _held[app_name] = coordinator  # the app stays draining after we return, until it is deleted
     ray.get(coordinator.start.remote())
-    deadline = time.monotonic() + timeout_s
+    began = time.monotonic()
+    deadline = began + timeout_s
     told = False
     last: dict[str, int] = {}
     while time.monotonic() < deadline:
         last = ray.get(coordinator.in_flight.remote()) or last
         busy = {replica: n for replica, n in last.items() if n}
-        if last and not busy:
+        if last and not busy and time.monotonic() - began >= SETTLE_S:
             return last
         if busy and not told and on_wait is not None:
             on_wait(busy)
