@@ -65,7 +65,6 @@ def make_cluster_config(demo_models: dict, port: int):
 
 @pytest.fixture(scope="session")
 def api_server(ray_cluster, demo_models):
-    import httpx2
     from ray import serve
 
     from deployments.app import APP_NAME, build_app
@@ -75,16 +74,7 @@ def api_server(ray_cluster, demo_models):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx2.get(f"{url}/health", timeout=10).status_code == 200:
-                break
-        except httpx2.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url}/health did not answer 200 within 120 s")
-        time.sleep(0.5)
+    wait_healthy(f"{url}/health", 120)
     yield ApiServer(url, config)
     serve.shutdown()
 
@@ -156,41 +146,56 @@ def make_router_config(demo_models: dict, port: int):
 
 @pytest.fixture(scope="session")
 def router_server(api_server, demo_models):
-    import ray
     from ray import serve
 
-    import tests.integration.faulty_pool as faulty_pool
-    from deployments.app import gateway_deployment_options, pool_deployment_options
-    from deployments.gateway import Gateway
+    from tests.integration.faulty_pool import FaultyPool
 
-    ray.cloudpickle.register_pickle_by_value(faulty_pool)  # replicas cannot import tests/
-    port = int(api_server.url.rsplit(":", 1)[1])
-    config = make_router_config(demo_models, port)
-    pools = {
-        p.name: serve.deployment(faulty_pool.FaultyPool, **pool_deployment_options(p)).bind(p)
-        for p in config.pools
-    }
-    app = serve.deployment(Gateway, **gateway_deployment_options(config)).bind(config, pools)
-    serve.run(app, name=ROUTER_APP, route_prefix=ROUTER_PREFIX)
+    config = make_router_config(demo_models, int(api_server.url.rsplit(":", 1)[1]))
+    serve.run(app_with_pools(config, FaultyPool), name=ROUTER_APP, route_prefix=ROUTER_PREFIX)
     url = f"{api_server.url}{ROUTER_PREFIX}"
     wait_healthy(f"{url}/health", 300)
     yield RouterServer(url, config)
     serve.delete(ROUTER_APP)
 
 
+def app_with_pools(config, pool_class):
+    """The app `build_app` makes, with a test subclass of `ModelPool` serving every pool (shipped to
+    the replicas by value: they cannot import tests/)."""
+    import sys
+
+    import ray
+    from ray import serve
+
+    from deployments.app import gateway_deployment_options, pool_deployment_options
+    from deployments.gateway import Gateway
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[pool_class.__module__])
+    pools = {p.name: serve.deployment(pool_class, **pool_deployment_options(p)).bind(p) for p in config.pools}
+    return serve.deployment(Gateway, **gateway_deployment_options(config)).bind(config, pools)
+
+
+def wait_until(predicate, timeout_s: float, what: str, period_s: float = 0.25):
+    """The predicate's first true value, polled; TimeoutError naming `what` if none comes in time."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout_s:g} s")
+        time.sleep(period_s)
+
+
 def wait_healthy(url: str, timeout_s: float) -> None:
     import httpx2
 
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def healthy() -> bool:
         try:
-            if httpx2.get(url, timeout=10).status_code == 200:
-                return
+            return httpx2.get(url, timeout=10).status_code == 200
         except httpx2.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} did not answer 200 within {timeout_s:g} s")
-        time.sleep(0.5)
+            return False
+
+    wait_until(healthy, timeout_s, f"{url} answering 200", period_s=0.5)
 
 
 def stop_processes_mentioning(marker: str, grace_s: float = 10.0) -> None:

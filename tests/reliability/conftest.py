@@ -5,7 +5,6 @@ table is printed at the end of the run, and written as JSON to $RAYLANE_RELIABIL
 
 import json
 import os
-import time
 from contextlib import contextmanager
 
 import pytest
@@ -69,17 +68,6 @@ def llama_pool(demo_models, name: str, **extra) -> dict:
         "engine": engine | extra.pop("engine", {}),
         **extra,
     }
-
-
-def wait_until(predicate, timeout_s: float, what: str, period_s: float = 0.25):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout_s:g} s")
-        time.sleep(period_s)
 
 
 def replica_rss_mb(app: str) -> dict[str, float]:

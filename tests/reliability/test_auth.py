@@ -47,22 +47,13 @@ def app_config(demo_models, port: int):
 @pytest.fixture(scope="module")
 def keyed(api_server, demo_models):
     """The app's URL (…/auth); its pool is a `RecordingPool`."""
-    import ray
     from ray import serve
 
-    import tests.reliability.recording_pool as recording_pool
-    from deployments.app import gateway_deployment_options, pool_deployment_options
-    from deployments.gateway import Gateway
-    from tests.live_servers import wait_healthy
+    from tests.live_servers import app_with_pools, wait_healthy
+    from tests.reliability.recording_pool import RecordingPool
 
-    ray.cloudpickle.register_pickle_by_value(recording_pool)  # replicas cannot import tests/
     config = app_config(demo_models, int(api_server.url.rsplit(":", 1)[1]))
-    pools = {
-        p.name: serve.deployment(recording_pool.RecordingPool, **pool_deployment_options(p)).bind(p)
-        for p in config.pools
-    }
-    gateway = serve.deployment(Gateway, **gateway_deployment_options(config)).bind(config, pools)
-    serve.run(gateway, name=APP, route_prefix=f"/{APP}")
+    serve.run(app_with_pools(config, RecordingPool), name=APP, route_prefix=f"/{APP}")
     url = f"{api_server.url}/{APP}"
     try:
         wait_healthy(f"{url}/health", 300)

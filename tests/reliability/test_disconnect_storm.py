@@ -9,7 +9,8 @@ import random
 import httpx2
 import pytest
 
-from tests.reliability.conftest import deployed, llama_pool, wait_until
+from tests.live_servers import wait_until
+from tests.reliability.conftest import deployed, llama_pool
 
 APP = "rel-storm"
 CLIENTS = 300

@@ -9,7 +9,8 @@ import httpx2
 import openai
 import pytest
 
-from tests.reliability.conftest import deployed, llama_pool, wait_until
+from tests.live_servers import wait_until
+from tests.reliability.conftest import deployed, llama_pool
 
 APP = "rel-drain"
 HELLO = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -22,8 +22,8 @@ import httpx2
 import pytest
 
 from cluster.k8s import pool_resource
-from tests.live_servers import free_port, stop_processes_mentioning, wait_healthy
-from tests.reliability.conftest import llama_pool, wait_until
+from tests.live_servers import free_port, stop_processes_mentioning, wait_healthy, wait_until
+from tests.reliability.conftest import llama_pool
 
 pytestmark = pytest.mark.timeout(900)
 RAY = str(Path(sys.executable).with_name("ray"))

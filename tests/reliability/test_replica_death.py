@@ -12,7 +12,8 @@ import time
 import openai
 import pytest
 
-from tests.reliability.conftest import deployed, llama_pool, wait_until
+from tests.live_servers import wait_until
+from tests.reliability.conftest import deployed, llama_pool
 
 APP = "rel-replicas"
 STREAMS, LATE = 8, 16
