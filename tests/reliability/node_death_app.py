@@ -1,6 +1,6 @@
 """Deploys the node-death test's app on the Ray cluster at $RAY_ADDRESS and exits (Serve keeps it):
-pool `primary` pinned to the worker node by the pool resource it advertises (as the KubeRay worker
-groups pin pools), pool `backup` and the gateway on the head.
+each pool and the gateway pinned by a custom resource that only its node advertises, as the KubeRay
+worker groups pin them: pool `primary` to the worker node, pool `backup` and the gateway to the head.
 
     python -m tests.reliability.node_death_app CONFIG_JSON
 """
@@ -11,7 +11,7 @@ import sys
 from ray import serve
 
 from cluster.config import ClusterConfig
-from cluster.k8s import pool_resource
+from cluster.k8s import GATEWAY_RESOURCE, pool_resource
 from deployments.app import APP_NAME, gateway_deployment_options, pool_deployment_options
 from deployments.gateway import Gateway
 from deployments.model_pool import ModelPool
@@ -22,10 +22,12 @@ def main() -> None:
     pools = {}
     for pool in config.pools:
         options = pool_deployment_options(pool)
-        if pool.name == "primary":
-            options["placement_group_bundles"][0][pool_resource(pool.name)] = 1
+        options["placement_group_bundles"][0][pool_resource(pool.name)] = 1
         pools[pool.name] = serve.deployment(ModelPool, **options).bind(pool)
-    gateway = serve.deployment(Gateway, **gateway_deployment_options(config)).bind(config, pools)
+    # Unpinned, the gateway could land on the worker and die with it (the proxy then answers 500).
+    options = gateway_deployment_options(config)
+    options["ray_actor_options"]["resources"] = {GATEWAY_RESOURCE: 1}
+    gateway = serve.deployment(Gateway, **options).bind(config, pools)
     # Both nodes share this machine's address: one HTTP proxy, on the head (the cluster's entry point,
     # as a Kubernetes Service in front of the head would be).
     serve.start(proxy_location="HeadOnly", http_options={"host": config.http.host, "port": config.http.port})
