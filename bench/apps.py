@@ -70,14 +70,17 @@ class LocalServe:
         from ray.serve.context import _get_global_client
 
         if not ray.is_initialized():
+            from cluster.serve_env import serve_env
+
             joined = os.environ.get("RAY_ADDRESS")
-            ray.init(
-                address=joined or "local",
-                num_cpus=None if joined else max(os.cpu_count() or 1, LOGICAL_CPUS),
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-            )
+            with serve_env():
+                ray.init(
+                    address=joined or "local",
+                    num_cpus=None if joined else max(os.cpu_count() or 1, LOGICAL_CPUS),
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    configure_logging=False,
+                )
             self._started_ray = True
         client = _get_global_client(raise_if_no_controller_running=False)
         if client is not None:  # Serve already runs (a test session, a cluster): use its listener

@@ -236,6 +236,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="cluster config to start (default: bench/serving.py's)")
     parser.add_argument("--pool", help="the pool to measure (default: the config's first)")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured request pairs first")
+    parser.add_argument(
+        "--stream-interval", type=int, help="set the pool's engine.stream_interval (both sides run it)"
+    )
     parser.add_argument("--out", type=Path, help="write overhead.json here")
     add_dataset_arguments(parser)
     parser.set_defaults(num_prompts=32, random_input_len=128, random_output_len=32)
@@ -250,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
     if pool is None:
         print(f"raylane bench overhead: no pool {args.pool!r} in the config", file=sys.stderr)
         return 1
+    if args.stream_interval is not None:
+        pool.engine.stream_interval = args.stream_interval
     requests, dataset = requests_from_args(args)
     try:
         with LocalServe() as local:

@@ -42,6 +42,8 @@ from typing import Any
 
 import yaml
 
+from cluster.serve_env import SERVE_ENV
+
 HTTP_PORT_NAME, METRICS_PORT, DASHBOARD_PORT, GCS_PORT, CLIENT_PORT = "serve", 8080, 8265, 6379, 10001
 AGENT_PORT = 52365
 DEFAULT_IMAGE = "raylane:latest"
@@ -330,6 +332,7 @@ def container(config, args, role: str, cpu: float, memory_gi: int, gpus: int, mo
     if models:
         mounts.append({"name": "models", "mountPath": args.models_dir, "readOnly": True})
     env = [{"name": "RAYLANE_DEMO_DIR", "value": "/home/ray/.cache/raylane/demo-models"}]
+    env += [{"name": name, "value": value} for name, value in SERVE_ENV.items()]
     keys = config.api_keys
     secret = f"{args.name}-api-keys"
     if keys.file:

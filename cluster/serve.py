@@ -74,10 +74,12 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from cluster.serve_env import serve_env
     from deployments.app import APP_NAME, build_app
 
     status = 0
-    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", namespace="raylane")
+    with serve_env():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", namespace="raylane")
     for signum in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a shell may start us with it ignored
         _stop_on(signum)
     try:

@@ -22,6 +22,7 @@ import asyncio
 import base64
 import json
 import logging
+import os
 import time
 import uuid
 from typing import Any
@@ -204,7 +205,10 @@ def _total_tokens(body: str) -> int:
 class Gateway:
     def __init__(self, config: ClusterConfig | dict[str, Any], pools: dict[str, Any]):
         self.config = ClusterConfig.model_validate(config)
-        self.pools = pools  # pool name -> DeploymentHandle
+        # The handles were made where the app was built; calls go by gRPC when this replica's Serve
+        # runs with it (cluster/serve_env.py), as the proxy's calls to this replica do.
+        grpc = os.environ.get("RAY_SERVE_USE_GRPC_BY_DEFAULT") == "1"
+        self.pools = {name: handle.options(_by_reference=not grpc) for name, handle in pools.items()}
         self.created = int(time.time())
         import torch
 

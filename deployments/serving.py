@@ -159,8 +159,7 @@ class OpenAIServing:
         n = params.n
         parsers = [ToolCallStreamParser() if plan.parse else None for _ in range(n)]
         num_tokens, finished = [0] * n, [False] * n
-        for i in range(n):
-            yield chunk(i, ChatDelta(role="assistant", content=""))
+        events = [chunk(i, ChatDelta(role="assistant", content="")) for i in range(n)]
         async for out in _chain(first, gen):
             for comp in out.outputs:
                 i = comp.index
@@ -172,14 +171,17 @@ class OpenAIServing:
                 if logprobs is not None and not deltas:
                     deltas = [ChatDelta(content="")]
                 for j, delta in enumerate(deltas):
-                    yield chunk(i, delta, logprobs if j == 0 else None)
+                    events.append(chunk(i, delta, logprobs if j == 0 else None))
                 if comp.finished:
                     finished[i] = True
                     calls = parsers[i] is not None and parsers[i].num_calls > 0
                     reason = (
                         plan.finish_reason if calls and comp.finish_reason == "stop" else comp.finish_reason
                     )
-                    yield chunk(i, ChatDelta(), finish_reason=reason)
+                    events.append(chunk(i, ChatDelta(), finish_reason=reason))
+            if events and not all(finished):  # the last events go out with the closing ones
+                yield "".join(events)
+                events = []
         if include_usage:
             body = ChatCompletionChunk(
                 id=response_id,
@@ -188,8 +190,8 @@ class OpenAIServing:
                 choices=[],
                 usage=_usage(len(first.prompt_token_ids), num_tokens, first),
             )
-            yield sse(body)
-        yield DONE
+            events.append(sse(body))
+        yield "".join([*events, DONE])
 
     def _chat_logprobs(self, comp: CompletionOutput, params: SamplingParams) -> ChoiceLogprobs | None:
         if params.logprobs is None or comp.logprobs is None:
@@ -310,9 +312,7 @@ class OpenAIServing:
         n = params.n
         offsets = [len(echoes[k]) for k in range(len(started)) for _ in range(n)]
         num_tokens, finished = [0] * len(offsets), [False] * len(offsets)
-        for k, echo in enumerate(echoes):
-            for j in range(n if echo else 0):
-                yield chunk(k * n + j, echo)
+        events = [chunk(k * n + j, echo) for k, echo in enumerate(echoes) for j in range(n if echo else 0)]
         async for k, out in _merge([_chain(first, gen) for first, gen in started]):
             for comp in out.outputs:
                 index = k * n + comp.index
@@ -321,11 +321,14 @@ class OpenAIServing:
                 num_tokens[index] += len(comp.token_ids)
                 logprobs = _completion_logprobs(comp, params, offsets[index])
                 if comp.text or logprobs is not None:
-                    yield chunk(index, comp.text, logprobs)
+                    events.append(chunk(index, comp.text, logprobs))
                     offsets[index] += len(comp.text)
                 if comp.finished:
                     finished[index] = True
-                    yield chunk(index, "", finish_reason=comp.finish_reason)
+                    events.append(chunk(index, "", finish_reason=comp.finish_reason))
+            if events and not all(finished):  # the last events go out with the closing ones
+                yield "".join(events)
+                events = []
         if include_usage:
             prompt_tokens = sum(len(first.prompt_token_ids) for first, _ in started)
             body = Completion(
@@ -335,8 +338,8 @@ class OpenAIServing:
                 choices=[],
                 usage=_usage(prompt_tokens, num_tokens, started[0][0]),
             )
-            yield sse(body)
-        yield DONE
+            events.append(sse(body))
+        yield "".join([*events, DONE])
 
     # -- shared ---------------------------------------------------------------------------------
 

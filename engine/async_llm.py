@@ -34,6 +34,10 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def _new_tokens(output: RequestOutput) -> int:
+    return max((len(c.token_ids) for c in output.outputs), default=0)
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None, placement_group=None, **engine_args):
         self.engine = LLMEngine(config or EngineConfig(**engine_args), placement_group)
@@ -71,12 +75,15 @@ class AsyncLLM:
         self._send(("add", request_id, prompt, sampling_params, priority, stream, added))
         await added  # raises the engine's ValueError for a bad prompt or parameter
         delta = sampling_params is not None and sampling_params.output_kind == RequestOutputKind.DELTA
-        finished, failure = False, None
+        interval = self.engine.config.stream_interval if delta else 1
+        finished, failure, held, sent = False, None, None, False
         try:
             while failure is None:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if held is not None:
+                    item, held = held.merged(item, delta), None
                 # Outputs that piled up while the consumer was busy (sending the last one on, a slow
                 # client) go out as one, as in vLLM: the stream keeps up with the engine.
                 while not item.finished and not stream.queue.empty():
@@ -85,6 +92,10 @@ class AsyncLLM:
                         failure = newer
                         break
                     item = item.merged(newer, delta)
+                if sent and not item.finished and failure is None and _new_tokens(item) < interval:
+                    held = item  # wait for the stream interval's tokens
+                    continue
+                sent = True
                 yield item
                 if item.finished:
                     finished = True

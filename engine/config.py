@@ -72,6 +72,12 @@ class EngineConfig(BaseModel):
         0.9, gt=0, le=1, description="Fraction of GPU memory the weights and KV cache may use."
     )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="Streamed (delta) outputs carry at least this many new tokens, except the first and the "
+        "last: fewer, bigger chunks cost serving less CPU per token (vLLM's --stream-interval).",
+    )
     seed: int = Field(0, description="Seed of the engine's generator for requests without their own seed.")
 
     # -- parallelism (engine/executor.py; the rank layout is in parallel/state.py) -------------

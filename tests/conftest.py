@@ -41,6 +41,9 @@ def ray_cluster():
     """
     import ray
 
-    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    from cluster.serve_env import serve_env
+
+    with serve_env():  # the Serve settings `raylane serve` runs with
+        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()

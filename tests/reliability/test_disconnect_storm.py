@@ -80,8 +80,10 @@ def test_clients_hanging_up_leave_nothing_behind(app, report):
     outcomes = asyncio.run(storm(app))
     counts = {kind: outcomes.count(kind) for kind in sorted(set(outcomes))}
     assert not [o for o in outcomes if o.startswith("status 5")], counts
-    assert counts.get("left mid-stream") == CLIENTS // 2, counts  # every stream started, none hung
-    assert counts.get("left while waiting", 0) + counts["left mid-stream"] == CLIENTS, counts
+    # Every stream started and none hung; a client meant to leave while queued may have got its
+    # first events before its timer ran out, and then left mid-stream.
+    assert set(outcomes[1::2]) == {"left mid-stream"}, counts
+    assert set(outcomes[::2]) <= {"left while waiting", "left mid-stream"}, counts
     after = wait_until(lambda: idle(app), 120, "pool, router and gateway idle after the storm")
     tasks_before, tasks_after = before["gateway"]["asyncio_tasks"], after["gateway"]["asyncio_tasks"]
     assert tasks_after <= tasks_before + 2, (tasks_before, tasks_after)  # the /health call's own

@@ -22,6 +22,7 @@ import httpx2
 import pytest
 
 from cluster.k8s import GATEWAY_RESOURCE, pool_resource
+from cluster.serve_env import SERVE_ENV
 from tests.live_servers import free_port, stop_processes_mentioning, wait_healthy, wait_until
 from tests.reliability.conftest import llama_pool
 
@@ -34,15 +35,19 @@ class TwoNodeCluster:
     def __init__(self, demo_models):
         self.temp_dir = tempfile.mkdtemp(prefix="rlnode", dir="/tmp")  # short: socket paths have a limit
         self.port, self.http_port = free_port(), free_port()
-        self.env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {
-            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-            "RAY_AUTH_MODE": "disabled",
-            "TOKENIZERS_PARALLELISM": "false",
-            # Notice a dead node in about a second, not the default fifteen.
-            "RAY_health_check_period_ms": "500",
-            "RAY_health_check_timeout_ms": "500",
-            "RAY_health_check_failure_threshold": "2",
-        }
+        self.env = (
+            {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+            | SERVE_ENV
+            | {
+                "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+                "RAY_AUTH_MODE": "disabled",
+                "TOKENIZERS_PARALLELISM": "false",
+                # Notice a dead node in about a second, not the default fifteen.
+                "RAY_health_check_period_ms": "500",
+                "RAY_health_check_timeout_ms": "500",
+                "RAY_health_check_failure_threshold": "2",
+            }
+        )
         self.demo_models = demo_models
         self.worker: subprocess.Popen | None = None
 

@@ -140,6 +140,29 @@ async def test_a_consumer_that_falls_behind_gets_the_piled_up_deltas_as_one(llam
     assert slow_outputs < prompt_outputs
 
 
+async def test_stream_interval_sends_fewer_bigger_deltas_with_the_same_tokens(llama):
+    """`stream_interval=4`: the first token at once, then deltas of at least 4 tokens until the last,
+    adding up to exactly the tokens and text of an every-token stream."""
+    from engine import RequestOutputKind
+
+    params = SamplingParams(
+        temperature=0, max_tokens=19, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    streams = []
+    for interval in (1, 4):
+        engine = AsyncLLM(model=llama, num_kv_blocks=64, stream_interval=interval)
+        deltas = [out.outputs[0] async for out in engine.generate(random_prompt(12, 10), params)]
+        engine.shutdown()
+        streams.append(deltas)
+    every, chunked = streams
+    assert [len(d.token_ids) for d in every] == [1] * 19
+    sizes = [len(d.token_ids) for d in chunked]
+    assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 19, sizes
+    assert len(chunked) < len(every) and chunked[-1].finish_reason == "length"
+    assert [t for d in chunked for t in d.token_ids] == [t for d in every for t in d.token_ids]
+    assert "".join(d.text for d in chunked) == "".join(d.text for d in every)
+
+
 def test_priority_zero_request_is_scheduled_before_earlier_priority_one_requests(llama):
     engine = LLMEngine(EngineConfig(model=llama, num_kv_blocks=64, max_num_seqs=1))
     engine.add_request(random_prompt(8, 20), greedy(6), request_id="running")  # fills the batch
