@@ -48,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg("--decode-steps", type=int, default=30, help="decode steps timed for the step overhead")
     arg("--decode-context", type=int, default=128, help="prompt tokens of each request in the decode batch")
     arg("--threads", type=int, help="torch threads (default: torch's, one per core)")
+    arg("--dtype", choices=("float32", "bfloat16"), default="float32", help="of both sides (default float32)")
     arg("--seed", type=int, default=0)
     arg("--out", type=Path, help="folder to write engine.json and engine.png into")
 
@@ -325,14 +326,14 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()  # generate's advice about pad tokens and generation flags is noise here
     model_dir = Path(args.model).expanduser() if args.model else ensure_model(args.cache_dir)
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
     params = sum(p.numel() for p in hf_model.parameters())  # a tied embedding is counted once
     machine = machine_info()
     print(
         f"machine:  {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, "
         f"{machine['torch_threads']} threads"
     )
-    print(f"model:    {model_dir.name}, {params:,} parameters, float32 ({model_dir})")
+    print(f"model:    {model_dir.name}, {params:,} parameters, {args.dtype} ({model_dir})")
     work = make_workload(args.num_prompts, hf_model.config.vocab_size, args.seed)
     (plo, phi), (olo, ohi) = PROMPT_LEN_RANGE, OUTPUT_LEN_RANGE
     print(
@@ -340,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
         f"lognormal(median {OUTPUT_LEN_MEDIAN}, sigma {OUTPUT_LEN_SIGMA}) clipped to [{olo}, {ohi}], "
         f"{work.useful_tokens} in all; greedy, ignore_eos, max batch {args.max_batch_size}\n"
     )
-    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=args.max_batch_size, seed=args.seed)
+    llm = LLM(str(model_dir), dtype=args.dtype, max_num_seqs=args.max_batch_size, seed=args.seed)
     result: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "machine": machine,

@@ -60,7 +60,8 @@ def engine_section(part: dict[str, Any]) -> str:
         [
             "#### 1. Engine: raylane against Hugging Face `generate`",
             "",
-            f"{model['name']} ({model['params']:,} parameters, float32), {tp['num_prompts']} prompts "
+            f"{model['name']} ({model['params']:,} parameters, {args.get('dtype', 'float32')}), "
+            f"{tp['num_prompts']} prompts "
             f"with long-tailed output lengths ({tp['useful_tokens']} useful tokens), max batch "
             f"{args['max_batch_size']}, {args['repeats']} run(s) each (median), "
             f"{part['machine']['torch_threads']} torch threads; other load {pct(part.get('other_load'))}.",

@@ -90,3 +90,41 @@ def test_int8_linear_matches_dequantized_weight(dtype, width):
     out = int8_linear(x.to(dtype), qweight, scale).float()
     torch.testing.assert_close(out, expected, atol=0.05 * expected.abs().max().item(), rtol=0)
     torch.testing.assert_close(expected, x @ weight.T, atol=0.02 * expected.abs().max().item(), rtol=0)
+
+
+def decode_logits(path: str, seqs: list[list[int]], steps: int, **settings) -> torch.Tensor:
+    """Prefill all but the last `steps` tokens of each sequence, then feed those one at a time with
+    every sequence in one decode batch (the path decode steps take); the decode steps' logits."""
+    runner = ModelRunner(EngineConfig(model=path, num_kv_blocks=64, block_size=16, **settings))
+    runner.allocate_kv_cache(64)
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(seqs))]  # 128 tokens each
+    for tokens, table in zip(seqs, tables, strict=True):
+        n = len(tokens) - steps
+        runner.execute_model(ModelInput(tokens[:n], list(range(n)), [table], [n], [n], [n - 1]))
+    out = []
+    for k in range(steps):
+        positions = [len(t) - steps + k for t in seqs]
+        batch = ModelInput(
+            [t[p] for t, p in zip(seqs, positions, strict=True)],
+            positions,
+            tables,
+            [p + 1 for p in positions],
+            [1] * len(seqs),
+            list(range(len(seqs))),
+        )
+        out.append(runner.execute_model(batch))
+    return torch.cat(out)
+
+
+def test_bf16_decode_steps_stay_close_to_float32(llama_demo):
+    """Decode in bfloat16 takes its own attention path on CPU (models/attention.py); a batch of
+    sequences of different lengths, one token at a time, keeps to the bf16 tolerance above."""
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (40, 100, 23)]
+    ref = decode_logits(llama_demo, seqs, 8)
+    logits = decode_logits(llama_demo, seqs, 8, dtype="bfloat16")
+    rel_error = float((logits - ref).abs().mean() / ref.std())
+    agreement = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
+    print(f"bf16 decode: mean |error| / std {rel_error:.3f}, top-1 agreement {agreement:.3f}")
+    _, max_rel_error, min_agreement = SETTINGS["bf16"]
+    assert rel_error <= max_rel_error and agreement >= min_agreement
