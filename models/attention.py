@@ -166,7 +166,9 @@ def _attend(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, group: 
     return out if max_q == 1 else out[group.query_dest]
 
 
-def _decode_on_cpu(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float):
+def _decode_on_cpu(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+):
     """One query per request in bfloat16/float16 on CPU, as two batched matmuls per KV head: SDPA's
     CPU flash kernel at one query takes most of a decode step there (a step of the 50M benchmark
     Llama at batch 16: 27 -> 17 ms). In float32 SDPA stays (faster there). q: [B, H, D]; keys,
