@@ -11,10 +11,10 @@ decide much of the serving overhead (`raylane bench overhead`, bench/README.md):
 
 Left out of that mode on purpose: direct ingress (each gateway replica on a port of its own, for an
 HAProxy in front; an ingress replica then drains for at least 30 s), and the frozen garbage
-collector. The variables must be in the environment of Ray's processes: `raylane serve` and the benchmarks
-start Ray inside `serve_env()`, the KubeRay manifests set them in every Ray container. The process
-that starts Ray keeps Serve's defaults, since a driver calls handles outside an event loop, which a
-handle router on the caller's loop cannot serve. A variable already set wins.
+collector. The variables must be in the environment of Ray's processes: `raylane serve` and the
+benchmarks start Ray inside `serve_env()`, the KubeRay manifests set them in every Ray container.
+The process that starts Ray keeps Serve's defaults, since a driver calls handles outside an event
+loop, which a handle router on the caller's loop cannot serve. A variable already set wins.
 """
 
 import os
