@@ -86,7 +86,9 @@ def test_clients_hanging_up_leave_nothing_behind(app, report):
     assert set(outcomes[::2]) <= {"left while waiting", "left mid-stream"}, counts
     after = wait_until(lambda: idle(app), 120, "pool, router and gateway idle after the storm")
     tasks_before, tasks_after = before["gateway"]["asyncio_tasks"], after["gateway"]["asyncio_tasks"]
-    assert tasks_after <= tasks_before + 2, (tasks_before, tasks_after)  # the /health call's own
+    # The count includes Serve's own tasks (user code shares the replica's event loop, see
+    # cluster/serve_env.py), which come and go by a few; a leak per client would be 150 or more.
+    assert tasks_after <= tasks_before + 5, (tasks_before, tasks_after)
     reply = httpx2.post(
         f"{app}/v1/chat/completions",
         json={"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
