@@ -87,6 +87,19 @@ async def measure_stream(stream: AsyncIterable[Any], sent_at: float, clock: Cloc
     return record
 
 
+def chat_stream_args(model: str, request: BenchRequest, options: RequestOptions) -> dict[str, Any]:
+    """Arguments of `client.chat.completions.create` for one benchmark request: streamed, with usage."""
+    return {
+        "model": model,
+        "messages": request.messages,
+        "max_tokens": request.max_tokens,
+        "temperature": options.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "extra_body": options.body() or None,
+    }
+
+
 async def send_one(
     client, model: str, request: BenchRequest, options: RequestOptions, clock: Clock = time.perf_counter
 ) -> RequestRecord:
@@ -94,15 +107,7 @@ async def send_one(
 
     sent_at = clock()
     try:
-        stream = await client.chat.completions.create(
-            model=model,
-            messages=request.messages,
-            max_tokens=request.max_tokens,
-            temperature=options.temperature,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body=options.body() or None,
-        )
+        stream = await client.chat.completions.create(**chat_stream_args(model, request, options))
         record = await measure_stream(stream, sent_at, clock)
     except openai.APIStatusError as e:
         record = RequestRecord(error_code=str(e.status_code), error=e.message)

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.client import RequestOptions, measure_stream
+from bench.client import RequestOptions, chat_stream_args, measure_stream
 from bench.common import OtherLoad, machine_info, print_table, process_tree_cpu_s, pyplot, write_json
 from bench.datasets import BenchRequest
 from bench.metrics import RequestRecord, latency_stats_ms
@@ -238,13 +238,7 @@ async def send_routed(client, model: str, request: BenchRequest, options: Reques
     routed = Routed(RequestRecord())
     try:
         raw = await client.chat.completions.with_raw_response.create(
-            model=model,
-            messages=request.messages,
-            max_tokens=request.max_tokens,
-            temperature=options.temperature,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body=options.body() or None,
+            **chat_stream_args(model, request, options)
         )
         routed.pool, routed.route = raw.headers.get("x-raylane-pool"), raw.headers.get("x-raylane-route")
         routed.record = await measure_stream(raw.parse(), sent_at, clock)

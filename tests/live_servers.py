@@ -8,12 +8,14 @@ and pools whose failures a test can switch on."""
 import contextlib
 import os
 import signal
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from bench import apps
+from bench.apps import free_port  # noqa: F401  (the tests' import of it)
 
 
 @dataclass
@@ -33,12 +35,6 @@ class ApiServer:
 
         handle = serve.get_deployment_handle(pool_deployment_name(pool), app_name=APP_NAME)
         return handle.stats.remote().result(timeout_s=30)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_cluster_config(demo_models: dict, port: int):
@@ -187,15 +183,7 @@ def wait_until(predicate, timeout_s: float, what: str, period_s: float = 0.25):
 
 
 def wait_healthy(url: str, timeout_s: float) -> None:
-    import httpx2
-
-    def healthy() -> bool:
-        try:
-            return httpx2.get(url, timeout=10).status_code == 200
-        except httpx2.HTTPError:
-            return False
-
-    wait_until(healthy, timeout_s, f"{url} answering 200", period_s=0.5)
+    apps.wait_healthy(url, time.monotonic() + timeout_s)
 
 
 def stop_processes_mentioning(marker: str, grace_s: float = 10.0) -> None:

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,17 +23,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.live_servers import stop_processes_mentioning
+from tests.live_servers import free_port, stop_processes_mentioning
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "sk-k8s-test"
 pytestmark = pytest.mark.timeout(900)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rendered_cpu_demo() -> dict:
