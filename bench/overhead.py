@@ -71,6 +71,12 @@ def request_body(model: str, request: BenchRequest) -> dict[str, Any]:
     }
 
 
+def _torch_threads(engine) -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 class InProcessEngine:
     """The pool's engine in this process, fed exactly what the pool would feed it."""
 
@@ -82,14 +88,11 @@ class InProcessEngine:
 
         torch.set_num_threads(torch_threads)  # before the engine thread starts: it inherits the count
         self.llm = AsyncLLM(pool.engine_config())
-        max_model_len = getattr(self.llm.engine, "max_model_len", None) or pool.engine.max_model_len
-        self.serving = OpenAIServing(self.llm, pool.model_id, max_model_len)
+        self.serving = OpenAIServing(self.llm, pool.model_id, self.llm.max_model_len)
         self.model_id = pool.model_id
 
     async def torch_threads(self) -> int:
-        import torch
-
-        return await self.llm.run_in_engine(lambda _: torch.get_num_threads())
+        return await self.llm.run_in_engine(_torch_threads)
 
     def prepare(self, request: BenchRequest):
         """(prompt token ids, sampling params) as the pool makes them from the same request body."""

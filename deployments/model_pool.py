@@ -36,10 +36,10 @@ class ModelPool:
         config = self.pool.engine_config()
         logger.info("pool %s: loading %s", self.pool.name, config.model)
         self.llm = AsyncLLM(config)
-        max_model_len = getattr(self.llm.engine, "max_model_len", None) or config.max_model_len
         self.metrics = PoolMetrics(self.pool.name, self.pool.model_id)
         self.reporter = MetricsReporter(self.metrics, self._gauges)
-        self.serving = OpenAIServing(MeteredLLM(self.llm, self.metrics), self.pool.model_id, max_model_len)
+        metered = MeteredLLM(self.llm, self.metrics)
+        self.serving = OpenAIServing(metered, self.pool.model_id, self.llm.max_model_len)
 
     async def chat(
         self,

@@ -1,15 +1,17 @@
-"""The serving engine: an `LLMEngine` stepped by a background thread, driven from asyncio.
+"""The serving engine: `AsyncLLM` drives an engine core from asyncio and streams its outputs.
 
-The model forward is blocking torch work, so it runs on its own thread (torch releases the
-GIL inside kernels) while the event loop keeps accepting requests and streaming outputs.
-Commands (add, abort) cross into the thread through a queue; outputs come back to each
-request's asyncio queue with `call_soon_threadsafe`. If a step fails (a rank of the worker
-group died), every request in flight and every later call ends with `EngineDeadError`, and
-`check_health()` raises it, so Serve replaces the replica.
+The core is an `EngineLoop` (`engine/engine_loop.py`) stepping an `LLMEngine`. With
+`engine_core: thread` it runs on a background thread of this process (torch releases the GIL
+inside kernels); with `engine_core: process` in a child process (`engine/core_proc.py`), so the
+serving work of this process never competes with the steps for the GIL. Either way commands go in
+as tuples and events come back to `_on_events`, which hands outputs to each request's asyncio queue
+with `call_soon_threadsafe`. If the core fails (a step raised, a rank or the core process died),
+every request in flight and every later call ends with `EngineDeadError`, and `check_health()`
+raises it, so Serve replaces the replica.
 """
 
 import asyncio
-import logging
+import itertools
 import queue
 import threading
 import uuid
@@ -17,12 +19,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.engine_loop import EngineLoop, Event, queue_receiver
 from engine.executor import EngineDeadError
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, load_tokenizer
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -38,25 +39,52 @@ def _new_tokens(output: RequestOutput) -> int:
     return max((len(c.token_ids) for c in output.outputs), default=0)
 
 
+class _ThreadCore:
+    """The engine loop on a daemon thread of this process."""
+
+    def __init__(self, config: EngineConfig, placement_group, on_events):
+        self.engine = LLMEngine(config, placement_group)
+        self.max_model_len = self.engine.max_model_len
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        loop = EngineLoop(self.engine, queue_receiver(self._commands), on_events)
+        self._thread = threading.Thread(target=loop.run, name="raylane-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, command: tuple) -> None:
+        self._commands.put(command)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        self._commands.put(("stop",))
+        self._thread.join(timeout=10)
+        self.engine.shutdown()
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None, placement_group=None, **engine_args):
-        self.engine = LLMEngine(config or EngineConfig(**engine_args), placement_group)
-        self._commands: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()  # orders commands against the engine dying
-        self._wakeup = threading.Event()
+        self.config = config or EngineConfig(**engine_args)
+        self._lock = threading.Lock()  # orders commands against the core dying
         self._streams: dict[str, _Stream] = {}
-        self._stopped = False
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="raylane-engine", daemon=True)
-        self._thread.start()
+        self._pending: dict[int, asyncio.Future] = {}
+        self._tokens = itertools.count()
+        self._error: str | None = None
+        if placement_group is None and self.config.uses_core_process:
+            from engine.core_proc import EngineCoreProc
+
+            self._core = EngineCoreProc(self.config, self._on_events)
+            self.engine: LLMEngine | None = None  # it lives in the core process
+            self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
+        else:
+            self._core = _ThreadCore(self.config, placement_group, self._on_events)
+            self.engine = self._core.engine
+            self.tokenizer = self.engine.tokenizer
+        self.max_model_len: int = self._core.max_model_len
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncLLM":
         return cls(config)
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
 
     async def generate(
         self,
@@ -67,15 +95,16 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as tokens arrive; the last one has `finished=True`. Leaving the loop
         early (a client disconnect, a cancelled task) aborts the request and frees its blocks."""
-        if self._error is not None:
-            raise EngineDeadError(str(self._error)) from self._error
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        added: asyncio.Future = stream.loop.create_future()
-        self._send(("add", request_id, prompt, sampling_params, priority, stream, added))
-        await added  # raises the engine's ValueError for a bad prompt or parameter
+        self._streams[request_id] = stream
+        try:
+            await self._call("add", request_id, prompt, sampling_params, priority)
+        except BaseException:  # the engine's ValueError for a bad prompt or parameter, or a dead core
+            self._streams.pop(request_id, None)
+            raise
         delta = sampling_params is not None and sampling_params.output_kind == RequestOutputKind.DELTA
-        interval = self.engine.config.stream_interval if delta else 1
+        interval = self.config.stream_interval if delta else 1
         finished, failure, held, sent = False, None, None, False
         try:
             while failure is None:
@@ -107,115 +136,87 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; returns once its KV blocks are free (at once if the engine is dead)."""
-        done: asyncio.Future = asyncio.get_running_loop().create_future()
         try:
-            self._send(("abort", request_id, done))
+            await self._call("abort", request_id)
         except EngineDeadError:
-            return
-        await done
+            self._streams.pop(request_id, None)
 
     async def run_in_engine(self, fn):
-        """Run `fn(engine)` on the engine thread between steps (for stats and tests)."""
-        done: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._send(("call", fn, done))
-        return await done
+        """Run `fn(engine)` on the engine core between steps (for stats and tests). With a core
+        process, `fn` and its result cross a pipe: a module-level function and plain data."""
+        return await self._call("call", fn)
 
     async def check_health(self) -> None:
         """Raise `EngineDeadError` if the engine loop stopped or a rank of its worker group died."""
         if self._error is not None:
-            raise EngineDeadError(f"engine failed: {self._error}") from self._error
-        if not self._thread.is_alive():
+            raise EngineDeadError(self._error)
+        if not self._core.is_alive():
             raise EngineDeadError("engine is shut down")
-        await asyncio.to_thread(self.engine.check_health)
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.check_health)
 
     def shutdown(self) -> None:
-        self._stopped = True
-        self._wakeup.set()
-        self._thread.join(timeout=10)
-        self.engine.shutdown()
+        self._core.shutdown()
 
-    # -- engine thread -------------------------------------------------------------------------
+    # -- commands out, events in ---------------------------------------------------------------
 
-    def _send(self, command: tuple) -> None:
+    async def _call(self, kind: str, *args):
+        """Send one command and wait for its answer."""
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        token = next(self._tokens)
         with self._lock:
             if self._error is not None:
-                raise EngineDeadError(f"engine failed: {self._error}") from self._error
-            self._commands.put(command)
-        self._wakeup.set()
-
-    def _run(self) -> None:
-        try:
-            while not self._stopped:
-                if not self.engine.has_unfinished_requests() and self._commands.empty():
-                    self._wakeup.wait()
-                self._wakeup.clear()
-                self._handle_commands()
-                if self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        self._deliver(out)
-        except BaseException as e:  # noqa: BLE001 - every waiting request must hear about it
-            logger.exception("engine loop failed")
-            with self._lock:
-                self._error = e
-            message = str(e) if isinstance(e, EngineDeadError) else f"engine failed: {e!r}"
-            for request_id, stream in list(self._streams.items()):
-                stream.put(EngineDeadError(message))
-                self._streams.pop(request_id, None)
-            self._fail_commands(EngineDeadError(message))
-
-    def _fail_commands(self, error: EngineDeadError) -> None:
-        """Answer commands sent before the engine died, so none of their callers waits forever."""
-        while True:
+                raise EngineDeadError(self._error)
+            self._pending[token] = done
             try:
-                kind, *args = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            done = args[-1]
-            result_error = None if kind == "abort" else EngineDeadError(str(error))
-            done.get_loop().call_soon_threadsafe(_resolve, done, None, result_error)
+                self._core.submit((kind, token, *args))
+            except BaseException:
+                del self._pending[token]
+                raise
+        return await done
 
-    def _handle_commands(self) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            kind, *args = command
-            getattr(self, f"_do_{kind}")(*args)
+    def _on_events(self, events: list[Event]) -> None:
+        """Called on the engine thread or the core process's reader thread."""
+        for event in events:
+            kind = event[0]
+            if kind == "output":
+                out = event[1]
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    if out.finished:
+                        self._streams.pop(out.request_id, None)
+                    stream.put(out)
+            elif kind == "added":
+                self._resolve(event[1], None, event[2])
+            elif kind == "aborted":
+                _, token, request_id, out = event
+                stream = self._streams.pop(request_id, None)
+                if stream is not None and out is not None:
+                    stream.put(out)
+                self._resolve(token, None, None)
+            elif kind == "result":
+                self._resolve(*event[1:])
+            elif kind == "dead":
+                self._fail(event[1])
 
-    def _do_add(self, request_id, prompt, params, priority, stream: _Stream, added) -> None:
-        try:
-            self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
-        except Exception as e:
-            stream.loop.call_soon_threadsafe(_resolve, added, None, e)
-            return
-        self._streams[request_id] = stream
-        stream.loop.call_soon_threadsafe(_resolve, added, None, None)
+    def _resolve(self, token: int, result, error: BaseException | None) -> None:
+        done = self._pending.pop(token, None)
+        if done is not None:
+            done.get_loop().call_soon_threadsafe(_set_future, done, result, error)
 
-    def _do_abort(self, request_id: str, done: asyncio.Future) -> None:
-        out = self.engine.abort_request(request_id)
-        stream = self._streams.pop(request_id, None)
-        if stream is not None and out is not None:
-            stream.put(out)
-        done.get_loop().call_soon_threadsafe(_resolve, done, None, None)
-
-    def _do_call(self, fn, done: asyncio.Future) -> None:
-        try:
-            result, error = fn(self.engine), None
-        except Exception as e:
-            result, error = None, e
-        done.get_loop().call_soon_threadsafe(_resolve, done, result, error)
-
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is None:
-            return
-        if out.finished:
-            del self._streams[out.request_id]
-        stream.put(out)
+    def _fail(self, message: str) -> None:
+        """The core is dead: every stream and every command waiting for an answer ends."""
+        with self._lock:
+            self._error = self._error or message  # the first cause, not the core process's exit after it
+            streams, self._streams = self._streams, {}
+            pending, self._pending = self._pending, {}
+        for stream in streams.values():
+            stream.put(EngineDeadError(message))
+        for done in pending.values():
+            done.get_loop().call_soon_threadsafe(_set_future, done, None, EngineDeadError(message))
 
 
-def _resolve(future: asyncio.Future, result, error) -> None:
+def _set_future(future: asyncio.Future, result, error) -> None:
     if future.done():
         return
     if error is not None:

@@ -79,6 +79,12 @@ class EngineConfig(BaseModel):
         "last: fewer, bigger chunks cost serving less CPU per token (vLLM's --stream-interval).",
     )
     seed: int = Field(0, description="Seed of the engine's generator for requests without their own seed.")
+    engine_core: Literal["auto", "thread", "process"] = Field(
+        "auto",
+        description="Where AsyncLLM steps the engine: a thread of the serving process, or a process of its "
+        "own (vLLM V1's multiprocessing), so streaming work never competes with the steps for the GIL. "
+        "process needs the in-process executor (one rank). auto: process for one rank, thread otherwise.",
+    )
 
     # -- parallelism (engine/executor.py; the rank layout is in parallel/state.py) -------------
     tensor_parallel_size: int = Field(
@@ -124,11 +130,24 @@ class EngineConfig(BaseModel):
         """Ranks of the worker group: tensor_parallel_size x expert_parallel_size."""
         return self.tensor_parallel_size * self.expert_parallel_size
 
+    @property
+    def uses_core_process(self) -> bool:
+        """Whether AsyncLLM runs this engine in a process of its own."""
+        one_rank_here = self.distributed_executor_backend != "ray" and self.world_size == 1
+        return self.engine_core == "process" or (self.engine_core == "auto" and one_rank_here)
+
     @model_validator(mode="after")
     def _one_rank_in_process(self) -> "EngineConfig":
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(
                 f"distributed_executor_backend: 'uni' runs one rank in-process, but tensor_parallel_size x "
                 f"expert_parallel_size is {self.world_size}; use 'auto' or 'ray'"
+            )
+        ray_ranks = self.world_size > 1 or self.distributed_executor_backend == "ray"
+        if self.engine_core == "process" and ray_ranks:
+            raise ValueError(
+                "engine_core: 'process' runs the model in the engine core process, which needs the "
+                "in-process executor (one rank, distributed_executor_backend 'auto' or 'uni'); "
+                "use 'thread' or 'auto'"
             )
         return self

@@ -23,6 +23,21 @@ def llama(checkpoint) -> str:
     return checkpoint("llama")
 
 
+@pytest.fixture(params=["thread", "process"])
+def engine_core(request) -> str:
+    """Where AsyncLLM steps the engine: both must behave alike."""
+    return request.param
+
+
+# run_in_engine probes: module-level, so they also cross into an engine core process.
+def free_blocks(engine: LLMEngine) -> int:
+    return engine.block_manager.num_free_blocks
+
+
+def unfinished_requests(engine: LLMEngine) -> int:
+    return len(engine.scheduler.running) + len(engine.scheduler.waiting)
+
+
 def count_computed_tokens(engine: LLMEngine) -> list[int]:
     """Record how many tokens each forward pass computes."""
     counts: list[int] = []
@@ -36,8 +51,8 @@ def count_computed_tokens(engine: LLMEngine) -> list[int]:
     return counts
 
 
-async def test_late_short_request_finishes_before_early_long_one(llama):
-    engine = AsyncLLM(model=llama, num_kv_blocks=64, max_num_seqs=4)
+async def test_late_short_request_finishes_before_early_long_one(llama, engine_core):
+    engine = AsyncLLM(model=llama, num_kv_blocks=64, max_num_seqs=4, engine_core=engine_core)
     finish_order: list[str] = []
     long_tokens_when_short_done: list[int] = []
     long_progress = [0]
@@ -87,28 +102,28 @@ def test_preemption_under_kv_pressure_keeps_outputs_identical(llama):
     assert tight.engine.block_manager.num_free_blocks == 14
 
 
-async def test_abort_frees_kv_blocks_at_once(llama):
-    engine = AsyncLLM(model=llama, num_kv_blocks=32)
+async def test_abort_frees_kv_blocks_at_once(llama, engine_core):
+    engine = AsyncLLM(model=llama, num_kv_blocks=32, engine_core=engine_core)
     seen = 0
     async for out in engine.generate(random_prompt(40, 5), greedy(200), request_id="victim"):
         seen = len(out.outputs[0].token_ids)
-        if seen == 3:
-            assert await engine.run_in_engine(lambda e: e.block_manager.num_free_blocks) < 32
+        if seen >= 3:
+            assert await engine.run_in_engine(free_blocks) < 32
             await engine.abort("victim")
             break
-    free = await engine.run_in_engine(lambda e: e.block_manager.num_free_blocks)
-    running = await engine.run_in_engine(lambda e: len(e.scheduler.running) + len(e.scheduler.waiting))
+    free = await engine.run_in_engine(free_blocks)
+    running = await engine.run_in_engine(unfinished_requests)
     engine.shutdown()
-    assert seen == 3 and free == 32 and running == 0
+    assert 3 <= seen < 200 and free == 32 and running == 0
 
 
-async def test_client_leaving_the_stream_aborts_the_request(llama):
-    engine = AsyncLLM(model=llama, num_kv_blocks=32)
+async def test_client_leaving_the_stream_aborts_the_request(llama, engine_core):
+    engine = AsyncLLM(model=llama, num_kv_blocks=32, engine_core=engine_core)
     gen = engine.generate(random_prompt(10, 6), greedy(200), request_id="gone")
     async for _ in gen:
         break
     await gen.aclose()  # what a disconnect does to the serving task
-    assert await engine.run_in_engine(lambda e: e.block_manager.num_free_blocks) == 32
+    assert await engine.run_in_engine(free_blocks) == 32
     engine.shutdown()
 
 
@@ -155,10 +170,11 @@ async def test_stream_interval_sends_fewer_bigger_deltas_with_the_same_tokens(ll
         engine.shutdown()
         streams.append(deltas)
     every, chunked = streams
-    assert [len(d.token_ids) for d in every] == [1] * 19
+    # A reader that falls behind gets merged deltas in both streams (the engine core may run ahead), so
+    # only the interval's bounds are exact: no delta between the first and the last is under 4 tokens.
     sizes = [len(d.token_ids) for d in chunked]
-    assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 19, sizes
-    assert len(chunked) < len(every) and chunked[-1].finish_reason == "length"
+    assert all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 19, sizes
+    assert len(chunked) <= 2 + 18 // 4 and chunked[-1].finish_reason == "length"
     assert [t for d in chunked for t in d.token_ids] == [t for d in every for t in d.token_ids]
     assert "".join(d.text for d in chunked) == "".join(d.text for d in every)
 
@@ -224,3 +240,43 @@ def test_bad_prompts_are_rejected_with_a_clear_error(llama):
         llm.generate(random_prompt(200, 1), greedy(4))  # 8 blocks x 16 = 128 tokens of KV
     with pytest.raises(ValueError, match="token ids"):
         llm.generate([[10_000]], greedy(4))
+
+
+async def test_killed_engine_core_process_ends_requests_with_an_error(llama):
+    """`engine_core: process`: if the core process dies mid-stream, requests in flight, health checks
+    and new requests all fail with EngineDeadError instead of waiting forever."""
+    from engine import EngineDeadError
+
+    engine = AsyncLLM(model=llama, num_kv_blocks=64, engine_core="process")
+    progress = [0, 0]
+
+    async def run(i: int):
+        async for out in engine.generate(random_prompt(20, 50 + i), greedy(400)):
+            progress[i] = len(out.outputs[0].token_ids)
+
+    tasks = [asyncio.create_task(run(i)) for i in range(2)]
+    while min(progress) < 3:
+        await asyncio.sleep(0.01)
+    engine._core.process.kill()
+    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=30)
+    assert all(isinstance(r, EngineDeadError) and "exit code -9" in str(r) for r in results), results
+    assert max(progress) < 400
+    with pytest.raises(EngineDeadError, match="exit code -9"):
+        await engine.check_health()
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(anext(engine.generate([5, 6, 7])), timeout=10)
+    await engine.abort("anything")  # returns at once: nothing left to free
+    engine.shutdown()
+
+
+def test_engine_core_process_ends_with_its_engine(llama):
+    engine = AsyncLLM(model=llama, num_kv_blocks=64, engine_core="process")
+    process = engine._core.process
+    assert process.poll() is None
+    engine.shutdown()
+    assert process.poll() == 0
+
+
+def test_engine_core_process_needs_the_in_process_executor(llama):
+    with pytest.raises(ValueError, match="engine_core"):
+        EngineConfig(model=llama, engine_core="process", tensor_parallel_size=2)
