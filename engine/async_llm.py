@@ -31,9 +31,6 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
 
 def _new_tokens(output: RequestOutput) -> int:
     return max((len(c.token_ids) for c in output.outputs), default=0)
@@ -176,7 +173,9 @@ class AsyncLLM:
         return await done
 
     def _on_events(self, events: list[Event]) -> None:
-        """Called on the engine thread or the core process's reader thread."""
+        """Called on the engine thread or the core process's reader thread. A pass's outputs reach each
+        event loop in one callback, not one wake-up per request."""
+        deliveries: dict[asyncio.AbstractEventLoop, list] = {}
         for event in events:
             kind = event[0]
             if kind == "output":
@@ -185,19 +184,21 @@ class AsyncLLM:
                 if stream is not None:
                     if out.finished:
                         self._streams.pop(out.request_id, None)
-                    stream.put(out)
+                    deliveries.setdefault(stream.loop, []).append((stream.queue, out))
             elif kind == "added":
                 self._resolve(event[1], None, event[2])
             elif kind == "aborted":
                 _, token, request_id, out = event
                 stream = self._streams.pop(request_id, None)
                 if stream is not None and out is not None:
-                    stream.put(out)
+                    deliveries.setdefault(stream.loop, []).append((stream.queue, out))
                 self._resolve(token, None, None)
             elif kind == "result":
                 self._resolve(*event[1:])
             elif kind == "dead":
+                _deliver(deliveries)  # what came before the failure first
                 self._fail(event[1])
+        _deliver(deliveries)
 
     def _resolve(self, token: int, result, error: BaseException | None) -> None:
         done = self._pending.pop(token, None)
@@ -210,10 +211,23 @@ class AsyncLLM:
             self._error = self._error or message  # the first cause, not the core process's exit after it
             streams, self._streams = self._streams, {}
             pending, self._pending = self._pending, {}
+        failures: dict[asyncio.AbstractEventLoop, list] = {}
         for stream in streams.values():
-            stream.put(EngineDeadError(message))
+            failures.setdefault(stream.loop, []).append((stream.queue, EngineDeadError(message)))
+        _deliver(failures)
         for done in pending.values():
             done.get_loop().call_soon_threadsafe(_set_future, done, None, EngineDeadError(message))
+
+
+def _deliver(deliveries: dict[asyncio.AbstractEventLoop, list]) -> None:
+    for loop, items in deliveries.items():
+        loop.call_soon_threadsafe(_put_all, items)
+    deliveries.clear()
+
+
+def _put_all(items: list) -> None:
+    for queue_, item in items:
+        queue_.put_nowait(item)
 
 
 def _set_future(future: asyncio.Future, result, error) -> None:
