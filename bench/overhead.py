@@ -242,6 +242,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stream-interval", type=int, help="set the pool's engine.stream_interval (both sides run it)"
     )
+    parser.add_argument(
+        "--engine-core",
+        choices=("auto", "thread", "process"),
+        help="set the pool's engine.engine_core (both sides run it)",
+    )
     parser.add_argument("--out", type=Path, help="write overhead.json here")
     add_dataset_arguments(parser)
     parser.set_defaults(num_prompts=32, random_input_len=128, random_output_len=32)
@@ -258,6 +263,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.stream_interval is not None:
         pool.engine.stream_interval = args.stream_interval
+    if args.engine_core is not None:
+        pool.engine.engine_core = args.engine_core
     requests, dataset = requests_from_args(args)
     try:
         with LocalServe() as local:

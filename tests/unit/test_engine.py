@@ -278,5 +278,10 @@ def test_engine_core_process_ends_with_its_engine(llama):
 
 
 def test_engine_core_process_needs_the_in_process_executor(llama):
+    """`auto` moves a one-rank engine into its own process and leaves Ray rank groups on a thread;
+    asking for a process with Ray ranks is a config error naming the field."""
+    assert EngineConfig(model=llama).uses_core_process
+    assert not EngineConfig(model=llama, tensor_parallel_size=2).uses_core_process
+    assert not EngineConfig(model=llama, distributed_executor_backend="ray").uses_core_process
     with pytest.raises(ValueError, match="engine_core"):
         EngineConfig(model=llama, engine_core="process", tensor_parallel_size=2)
