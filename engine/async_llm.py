@@ -11,6 +11,7 @@ raises it, so Serve replaces the replica.
 """
 
 import asyncio
+import contextlib
 import itertools
 import queue
 import threading
@@ -203,7 +204,7 @@ class AsyncLLM:
     def _resolve(self, token: int, result, error: BaseException | None) -> None:
         done = self._pending.pop(token, None)
         if done is not None:
-            done.get_loop().call_soon_threadsafe(_set_future, done, result, error)
+            _call_soon(done.get_loop(), _set_future, done, result, error)
 
     def _fail(self, message: str) -> None:
         """The core is dead: every stream and every command waiting for an answer ends."""
@@ -216,13 +217,20 @@ class AsyncLLM:
             failures.setdefault(stream.loop, []).append((stream.queue, EngineDeadError(message)))
         _deliver(failures)
         for done in pending.values():
-            done.get_loop().call_soon_threadsafe(_set_future, done, None, EngineDeadError(message))
+            _call_soon(done.get_loop(), _set_future, done, None, EngineDeadError(message))
 
 
 def _deliver(deliveries: dict[asyncio.AbstractEventLoop, list]) -> None:
     for loop, items in deliveries.items():
-        loop.call_soon_threadsafe(_put_all, items)
+        _call_soon(loop, _put_all, items)
     deliveries.clear()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """`call_soon_threadsafe`, except that a closed loop (its consumer is gone) is not the engine's
+    failure: raising here would end the engine loop for everyone."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
 
 
 def _put_all(items: list) -> None:
