@@ -35,6 +35,11 @@ MODEL_SHAPE = dict(
 PROMPT_LEN_RANGE = (32, 256)  # uniform
 OUTPUT_LEN_MEDIAN, OUTPUT_LEN_SIGMA, OUTPUT_LEN_RANGE = 64, 0.8, (8, 256)  # lognormal, clipped
 WARMUP_STEPS = 3
+RUN_LABELS = {  # (table, plot)
+    "hf": ("HF generate", "HF generate"),
+    "raylane": ("raylane LLM.generate", "raylane"),
+    "raylane_torch_linear": ("raylane, torch's matmul (cpu_weight_prepack: false)", "raylane,\ntorch matmul"),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,14 +138,14 @@ def run_raylane(llm, work: Workload) -> list[list[int]]:
     return [list(out.outputs[0].token_ids) for out in llm.generate(work.prompts, params)]
 
 
-def measure_throughput(llm, hf_model, work: Workload, args: argparse.Namespace) -> dict[str, Any]:
+def measure_throughput(llms: dict, hf_model, work: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    """`llms`: "raylane" and, on CPU, "raylane_torch_linear" (the same engine with torch's matmul)."""
     warm = Workload([p[:16] for p in work.prompts[:2]], [4, 4])  # load kernels, fill allocator pools
     run_hf(hf_model, warm, args.max_batch_size)
-    run_raylane(llm, warm)
-    runners = {
-        "hf": lambda: run_hf(hf_model, work, args.max_batch_size),
-        "raylane": lambda: run_raylane(llm, work),
-    }
+    runners = {"hf": lambda: run_hf(hf_model, work, args.max_batch_size)}
+    for name, llm in llms.items():
+        run_raylane(llm, warm)
+        runners[name] = lambda llm=llm: run_raylane(llm, work)
     seconds: dict[str, list[float]] = {name: [] for name in runners}
     outputs: dict[str, list[list[int]]] = {}
     other_load: list[float] = []
@@ -161,6 +166,7 @@ def measure_throughput(llm, hf_model, work: Workload, args: argparse.Namespace) 
         "greedy_outputs_identical": sum(
             a == b for a, b in zip(outputs["hf"], outputs["raylane"], strict=True)
         ),
+        "runs": list(runners),
         "other_load_max": max(other_load),
     }
     for name, secs in seconds.items():
@@ -171,9 +177,10 @@ def measure_throughput(llm, hf_model, work: Workload, args: argparse.Namespace) 
             "requests_per_s": summary([len(work.prompts) / s for s in secs]),
         }
     for stat in ("median", "max"):
-        result[f"speedup_{stat}"] = (
-            result["raylane"]["tokens_per_s"][stat] / result["hf"]["tokens_per_s"][stat]
-        )
+        for name in llms:
+            prefix = "speedup" if name == "raylane" else f"speedup_{name.removeprefix('raylane_')}"
+            hf = result["hf"]["tokens_per_s"][stat]
+            result[f"{prefix}_{stat}"] = result[name]["tokens_per_s"][stat] / hf
     return result
 
 
@@ -251,10 +258,11 @@ def write_plot(path: Path, result: dict[str, Any]) -> None:
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     tp, step = result["throughput"], result["step_overhead"]
-    bars = left.bar(["HF generate", "raylane"], [tp[n]["tokens_per_s"]["median"] for n in ("hf", "raylane")])
-    for bar, color in zip(bars, ("#999999", "#1f77b4"), strict=True):
+    names = tp.get("runs", ["hf", "raylane"])
+    bars = left.bar([RUN_LABELS[n][1] for n in names], [tp[n]["tokens_per_s"]["median"] for n in names])
+    for bar, color in zip(bars, ("#999999", "#1f77b4", "#aec7e8"), strict=False):
         bar.set_color(color)
-    for x, name in enumerate(("hf", "raylane")):  # every repeat as a dot, so the noise shows
+    for x, name in enumerate(names):  # every repeat as a dot, so the noise shows
         runs = [tp["useful_tokens"] / s for s in tp[name]["seconds"]]
         left.plot([x] * len(runs), runs, "k.")
     left.bar_label(bars, fmt="%.0f", label_type="center", color="white")
@@ -280,7 +288,8 @@ def write_plot(path: Path, result: dict[str, Any]) -> None:
 def print_report(result: dict[str, Any], args: argparse.Namespace) -> None:
     tp, step = result["throughput"], result["step_overhead"]
     rows = []
-    for name, label in (("hf", "HF generate"), ("raylane", "raylane LLM.generate")):
+    for name in tp.get("runs", ["hf", "raylane"]):
+        label = RUN_LABELS[name][0]
         wall, tps, rps = (tp[name][k] for k in ("wall_s", "tokens_per_s", "requests_per_s"))
         rows.append(
             [
@@ -293,6 +302,11 @@ def print_report(result: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"Offline throughput, {args.repeats} run(s) each: median (best)")
     print_table(["", "wall s", "useful tokens/s", "requests/s"], rows)
     print(f"raylane / HF: {tp['speedup_median']:.2f}x median, {tp['speedup_max']:.2f}x best (goal >= 3x)")
+    if "speedup_torch_linear_median" in tp:
+        print(
+            f"raylane with torch's matmul / HF: {tp['speedup_torch_linear_median']:.2f}x median "
+            "(the scheduling's share; the rest is oneDNN's prepacked linears)"
+        )
     print(
         f"HF decoded {tp['hf_row_steps']} rows for {tp['useful_tokens']} useful tokens "
         f"({tp['hf_row_steps'] / tp['useful_tokens']:.2f}x); greedy outputs identical to HF: "
@@ -321,6 +335,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
     from engine import LLM
+    from parallel import onednn
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -341,7 +356,18 @@ def run(args: argparse.Namespace) -> int:
         f"lognormal(median {OUTPUT_LEN_MEDIAN}, sigma {OUTPUT_LEN_SIGMA}) clipped to [{olo}, {ohi}], "
         f"{work.useful_tokens} in all; greedy, ignore_eos, max batch {args.max_batch_size}\n"
     )
-    llm = LLM(str(model_dir), dtype=args.dtype, max_num_seqs=args.max_batch_size, seed=args.seed)
+    llms = {
+        name: LLM(
+            str(model_dir),
+            dtype=args.dtype,
+            max_num_seqs=args.max_batch_size,
+            seed=args.seed,
+            cpu_weight_prepack=prepack,
+        )
+        for name, prepack in (("raylane", True), ("raylane_torch_linear", False))
+    }
+    if not onednn.available(getattr(torch, args.dtype)):  # nothing packed: the second run would be the same
+        del llms["raylane_torch_linear"]
     result: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "machine": machine,
@@ -349,8 +375,8 @@ def run(args: argparse.Namespace) -> int:
         "args": {
             k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if not k.startswith("_")
         },
-        "throughput": measure_throughput(llm, hf_model, work, args),
-        "step_overhead": measure_step_overhead(llm, args),
+        "throughput": measure_throughput(llms, hf_model, work, args),
+        "step_overhead": measure_step_overhead(llms["raylane"], args),
     }
     print_report(result, args)
     if args.out:

@@ -44,9 +44,14 @@ def serving_model_line(report: dict[str, Any]) -> str:
 
 def engine_section(part: dict[str, Any]) -> str:
     tp, step, model, args = part["throughput"], part["step_overhead"], part["model"], part["args"]
+    labels = {
+        "hf": "HF `generate`",
+        "raylane": "raylane `LLM.generate`",
+        "raylane_torch_linear": "raylane, torch's matmul (`cpu_weight_prepack: false`)",
+    }
     rows = []
-    for name, label in (("hf", "HF `generate`"), ("raylane", "raylane `LLM.generate`")):
-        r = tp[name]
+    for name in tp.get("runs", ["hf", "raylane"]):
+        r, label = tp[name], labels[name]
         rows.append(
             [
                 label,
@@ -70,6 +75,14 @@ def engine_section(part: dict[str, Any]) -> str:
             "",
             f"- raylane / HF: **{speedup:.2f}x** (goal >= 3x: {met(speedup >= 3)}); greedy outputs "
             f"identical to HF: {tp['greedy_outputs_identical']}/{tp['num_prompts']}",
+            *(
+                [
+                    f"- with torch's own matmul instead of oneDNN's prepacked linears: "
+                    f"{tp['speedup_torch_linear_median']:.2f}x HF (what the scheduling alone gives)"
+                ]
+                if "speedup_torch_linear_median" in tp
+                else []
+            ),
             f"- decode step of {step['batch_size']} requests: bare forward "
             f"{step['bare_forward_ms_median']:.1f} ms, "
             f"`engine.step()` {step['engine_step_ms_median']:.1f} ms: **{overhead:+.1f}%** "

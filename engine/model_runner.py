@@ -15,6 +15,7 @@ import torch
 from engine.config import EngineConfig
 from models import load_model
 from models.attention import build_attention_metadata
+from parallel.onednn import packed_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +55,18 @@ class ModelRunner:
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, AutoConfig.from_pretrained(config.model), self.device)
         self.model, self.hf_config = load_model(
-            config.model, dtype=self.dtype, device=self.device, quantization=config.quantization
+            config.model,
+            dtype=self.dtype,
+            device=self.device,
+            quantization=config.quantization,
+            cpu_weight_prepack=config.cpu_weight_prepack,
         )
         self.block_size = config.block_size
         self.num_blocks = 0  # until allocate_kv_cache
 
     def weight_bytes(self) -> int:
-        """Bytes of this rank's parameters (a tied embedding counted once)."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes of this rank's weights: parameters (a tied embedding counted once) and packed weights."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + packed_bytes(self.model)
 
     def available_kv_blocks(self) -> int:
         """KV blocks this rank can hold: `num_kv_blocks` if set, else what its memory budget allows."""

@@ -31,6 +31,7 @@ from models.decoder import DecoderForCausalLM
 from models.registry import get_model_class
 from parallel.layers import default_weight_loader
 from parallel.lazy_weight import LazyWeight
+from parallel.onednn import prepack_model
 from parallel.quantization import quantize_model
 
 _EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
@@ -49,10 +50,12 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     quantization: str | None = None,
+    cpu_weight_prepack: bool = False,
 ) -> tuple[DecoderForCausalLM, PreTrainedConfig]:
     """Build the model for `model_dir/config.json` on this rank and load its weights.
 
-    `quantization="int8"` quantizes the linear layers' weights once loaded (parallel/quantization.py).
+    `quantization="int8"` quantizes the linear layers' weights once loaded (parallel/quantization.py);
+    `cpu_weight_prepack` packs the others for oneDNN on CPU (parallel/onednn.py).
     Returns (model in eval mode without gradients, the transformers config).
     """
     model_dir = Path(model_dir)
@@ -66,6 +69,8 @@ def load_model(
     load_weights(model, files)
     if quantization is not None:
         quantize_model(model, quantization)
+    if cpu_weight_prepack and torch.device(device).type == "cpu":
+        prepack_model(model)
     return model.eval().requires_grad_(False), config
 
 

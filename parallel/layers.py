@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel import onednn
 from parallel.lazy_weight import LazyWeight, materialize
 from parallel.quantization import int8_linear
 from parallel.state import (
@@ -74,12 +75,16 @@ class LinearBase(nn.Module):
 
     # "int8" once `parallel.quantization.quantize_linear_` swapped `weight` for `qweight` + `weight_scale`.
     quantization: str | None = None
+    # The weight in oneDNN's layout once `parallel.onednn.prepack_model` packed it (CPU).
+    packed_weight: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ weight.T (+ bias) with this rank's shard, in whatever form the weight is stored."""
+        if self.packed_weight is not None:
+            return onednn.linear(x, self.packed_weight, bias)
         if self.quantization is None:
             return F.linear(x, self.weight, bias)
         y = int8_linear(x, self.qweight, self.weight_scale)
@@ -278,6 +283,7 @@ class VocabParallelEmbedding(nn.Module):
         copy_weight(param.data[:n], loaded_weight.narrow(0, self.vocab_start, n))
 
     quantization: str | None = None  # see LinearBase
+    packed_weight: torch.Tensor | None = None  # see LinearBase; only the LM head's is packed
 
     def embed(self, local_ids: torch.Tensor) -> torch.Tensor:
         if self.quantization is None:
@@ -286,6 +292,8 @@ class VocabParallelEmbedding(nn.Module):
         return F.embedding(local_ids, self.qweight).to(scale.dtype) * scale
 
     def matmul(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return onednn.linear(hidden, self.packed_weight)
         if self.quantization is None:
             return F.linear(hidden, self.weight)
         return int8_linear(hidden, self.qweight, self.weight_scale)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel import onednn
 from parallel.layers import copy_weight, divide
 from parallel.state import get_ep_rank, get_ep_size, get_tp_rank, get_tp_size, moe_all_reduce
 
@@ -119,6 +120,15 @@ class FusedMoE(nn.Module):
         rows = slice(0, i) if shard_id == "gate" else slice(i, 2 * i)
         copy_weight(param.data[local, rows], loaded_weight.narrow(0, start, i))
 
+    # (w13 per expert, w2 per expert) once `parallel.onednn.prepack_model` replaced the 3D weights.
+    packed_experts: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def _expert_linear(self, x: torch.Tensor, which: int, expert: int) -> torch.Tensor:
+        """x @ w13[expert].T (which=0) or x @ w2[expert].T (which=1)."""
+        if self.packed_experts is not None:
+            return onednn.linear(x, self.packed_experts[which][expert])
+        return F.linear(x, (self.w13, self.w2)[which][expert])
+
     def forward(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
@@ -128,7 +138,7 @@ class FusedMoE(nn.Module):
         is_local = (local_ids >= 0) & (local_ids < self.num_local_experts)
         for e in local_ids[is_local].unique().tolist():
             token_idx, slot = torch.where(local_ids == e)
-            gate, up = F.linear(hidden[token_idx], self.w13[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[e]) * topk_weights[token_idx, slot, None]
+            gate, up = self._expert_linear(hidden[token_idx], 0, e).chunk(2, dim=-1)
+            y = self._expert_linear(F.silu(gate) * up, 1, e) * topk_weights[token_idx, slot, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return moe_all_reduce(out)

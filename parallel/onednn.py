@@ -1,0 +1,83 @@
+"""Linear weights prepacked for oneDNN, the CPU matmul path.
+
+On CPU, torch's `F.linear` in float32 goes to a BLAS sgemm (MKL in the torch wheel), which takes a
+generic code path on AMD CPUs. oneDNN's JIT kernels on a weight reordered once into oneDNN's blocked
+layout were 2-5x faster for the matrix shapes of decode and prefill on the AMD EPYC measured
+(bench/README.md, "oneDNN linears"), at float32 precision. It is the op torch's own inductor uses
+for CPU weight prepacking (`torch.ops.mkldnn._linear_pointwise`), and the approach of vLLM's CPU
+backend.
+
+`prepack_model` runs once after the weights are loaded: each linear's dense [out, in] weight is
+replaced by its packed form (so memory does not double); a weight tied to the embedding stays dense
+for the embedding, with a packed copy for the LM head. Each rank packs its own shard, so tensor and
+expert parallelism need nothing more. A probe checks that the op exists for the dtype and agrees
+with `F.linear` before anything is packed; where it does not, the model keeps torch's matmul.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_PROBED: dict[torch.dtype, bool] = {}
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] dense weight -> the same weight in oneDNN's layout (an opaque `torch._mkldnn` tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ weight.T (+ bias) with a weight from `pack`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def available(dtype: torch.dtype) -> bool:
+    """Whether this torch build has the packed linear for `dtype` on this CPU and it matches F.linear
+    (probed once per dtype)."""
+    if dtype not in _PROBED:
+        try:
+            generator = torch.Generator().manual_seed(0)
+            w = torch.randn(48, 32, generator=generator).to(dtype)
+            x = torch.randn(5, 32, generator=generator).to(dtype)
+            _PROBED[dtype] = torch.allclose(linear(x, pack(w)).float(), F.linear(x, w).float(), atol=0.1)
+        except (AttributeError, RuntimeError, NotImplementedError):
+            _PROBED[dtype] = False
+    return _PROBED[dtype]
+
+
+def prepack_model(model: nn.Module) -> int:
+    """Pack the fp weights of every linear, LM head and MoE expert of a loaded CPU model in place;
+    returns how many layers were packed (0 where oneDNN cannot serve the model's dtype)."""
+    from parallel.layers import LinearBase, ParallelLMHead
+    from parallel.moe import FusedMoE
+
+    dtype = next(model.parameters()).dtype
+    if not available(dtype):
+        return 0
+    kinds = (LinearBase, ParallelLMHead)
+    dense_elsewhere = {  # weights that modules left unpacked (the embedding) still read
+        id(p) for m in model.modules() if not isinstance(m, kinds) for p in m.parameters(recurse=False)
+    }
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, kinds) and module.quantization is None:
+            module.packed_weight = pack(module.weight)
+            if id(module.weight) not in dense_elsewhere:  # a tied LM head leaves the embedding its table
+                del module.weight
+            packed += 1
+        elif isinstance(module, FusedMoE):
+            module.packed_experts = ([pack(w) for w in module.w13], [pack(w) for w in module.w2])
+            del module.w13, module.w2
+            packed += 1
+    return packed
+
+
+def packed_bytes(model: nn.Module) -> int:
+    """Bytes of the packed weights (they are not parameters); a weight packed twice is counted twice."""
+    total = 0
+    for module in model.modules():
+        tensors = [getattr(module, "packed_weight", None)]
+        for experts in getattr(module, "packed_experts", None) or ():
+            tensors += experts
+        total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return total
