@@ -5,6 +5,7 @@ import importlib
 
 BENCHMARKS = {
     "engine": "bench.engine",
+    "linears": "bench.linears",
     "serve": "bench.serve",
     "compare": "bench.compare",
     "parallel": "bench.parallel",
