@@ -356,6 +356,9 @@ def run(args: argparse.Namespace) -> int:
         f"lognormal(median {OUTPUT_LEN_MEDIAN}, sigma {OUTPUT_LEN_SIGMA}) clipped to [{olo}, {ohi}], "
         f"{work.useful_tokens} in all; greedy, ignore_eos, max batch {args.max_batch_size}\n"
     )
+    settings = {"raylane": True}
+    if onednn.available(getattr(torch, args.dtype)):  # else nothing is packed: a second run would be the same
+        settings["raylane_torch_linear"] = False
     llms = {
         name: LLM(
             str(model_dir),
@@ -364,10 +367,8 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             cpu_weight_prepack=prepack,
         )
-        for name, prepack in (("raylane", True), ("raylane_torch_linear", False))
+        for name, prepack in settings.items()
     }
-    if not onednn.available(getattr(torch, args.dtype)):  # nothing packed: the second run would be the same
-        del llms["raylane_torch_linear"]
     result: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "machine": machine,

@@ -1,11 +1,11 @@
 """Linear weights prepacked for oneDNN, the CPU matmul path.
 
-On CPU, torch's `F.linear` in float32 goes to a BLAS sgemm (MKL in the torch wheel), which takes a
-generic code path on AMD CPUs. oneDNN's JIT kernels on a weight reordered once into oneDNN's blocked
-layout were 2-5x faster for the matrix shapes of decode and prefill on the AMD EPYC measured
-(bench/README.md, "oneDNN linears"), at float32 precision. It is the op torch's own inductor uses
-for CPU weight prepacking (`torch.ops.mkldnn._linear_pointwise`), and the approach of vLLM's CPU
-backend.
+On CPU, torch's `F.linear` in float32 goes to a BLAS sgemm (MKL in the torch wheel), which was slow
+on the AMD EPYC measured. oneDNN's JIT kernels on a weight reordered once into oneDNN's blocked
+layout did the same products 2.3-3.3x faster at the token counts of decode and prefill steps, at
+float32 precision (`raylane bench linears`; bench/README.md, "Where the 4.3x comes from"). It is
+the op torch's own inductor uses for CPU weight prepacking (`torch.ops.mkldnn._linear_pointwise`),
+and the approach of vLLM's CPU backend.
 
 `prepack_model` runs once after the weights are loaded: each linear's dense [out, in] weight is
 replaced by its packed form (so memory does not double); a weight tied to the embedding stays dense
