@@ -48,7 +48,7 @@ def available(dtype: torch.dtype) -> bool:
 def prepack_model(model: nn.Module) -> int:
     """Pack the fp weights of every linear, LM head and MoE expert of a loaded CPU model in place;
     returns how many layers were packed (0 where oneDNN cannot serve the model's dtype)."""
-    from parallel.layers import LinearBase, ParallelLMHead
+    from parallel.layers import LinearBase, ParallelLMHead  # here: both modules import this one
     from parallel.moe import FusedMoE
 
     dtype = next(model.parameters()).dtype
