@@ -55,8 +55,9 @@ def prepare_checkpoints(configs: list[ClusterConfig]) -> None:
 class LocalServe:
     """In-process Ray + Serve for benchmark apps (see the module docstring)."""
 
-    def __init__(self, deploy_timeout_s: float = DEPLOY_TIMEOUT_S):
+    def __init__(self, deploy_timeout_s: float = DEPLOY_TIMEOUT_S, ingress: str = "proxy"):
         self.deploy_timeout_s = deploy_timeout_s
+        self.ingress = ingress  # http.ingress of the Ray this starts (a running one keeps its own)
         self.port: int | None = None
         self.apps: list[str] = []  # the Serve apps this object deployed (deleted on exit)
         self._pending: dict[str, ClusterConfig] = {}
@@ -69,11 +70,15 @@ class LocalServe:
         from ray import serve
         from ray.serve.context import _get_global_client
 
-        if not ray.is_initialized():
-            from cluster.serve_env import serve_env
+        from cluster.serve_env import haproxy_problem, serve_env
 
-            joined = os.environ.get("RAY_ADDRESS")
-            with serve_env():
+        joined = os.environ.get("RAY_ADDRESS")
+        if self.ingress == "haproxy":
+            why = "it needs a Ray started here" if joined or ray.is_initialized() else haproxy_problem()
+            if why:
+                raise LocalServeError(f"--ingress haproxy: {why}")
+        if not ray.is_initialized():
+            with serve_env(self.ingress):
                 ray.init(
                     address=joined or "local",
                     num_cpus=None if joined else max(os.cpu_count() or 1, LOGICAL_CPUS),

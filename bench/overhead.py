@@ -174,10 +174,11 @@ async def measure(
         await client.close()
 
 
-def summarize(pairs: list[Pair]) -> dict[str, Any]:
+def summarize(pairs: list[Pair], ingress: str = "proxy") -> dict[str, Any]:
     """p50/p99 of TTFT and E2E per side (ms), the overheads (differences of p50s) and checks."""
     ok = [p for p in pairs if p.http.error is None]
     result: dict[str, Any] = {
+        "ingress": ingress,
         "requests": len(pairs),
         "http_errors": len(pairs) - len(ok),
         "identical_outputs": sum(p.identical for p in pairs),
@@ -205,9 +206,10 @@ def summarize(pairs: list[Pair]) -> dict[str, Any]:
 
 def table_rows(summary: dict[str, Any]) -> list[list[str]]:
     rows = []
+    front = "HAProxy" if summary.get("ingress") == "haproxy" else "proxy"
     for metric in ("ttft", "e2e"):
         s = summary[metric]
-        for side, label in (("engine", "engine in-process"), ("http", "HTTP: proxy, gateway, pool")):
+        for side, label in (("engine", "engine in-process"), ("http", f"HTTP: {front}, gateway, pool")):
             rows.append([f"{metric.upper()} {label}", f"{s[side]['p50']:.1f}", f"{s[side]['p99']:.1f}"])
         rows.append([f"{metric.upper()} added by serving", f"{s['overhead_p50_ms']:+.1f}", ""])
     return rows
@@ -247,6 +249,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "thread", "process"),
         help="set the pool's engine.engine_core (both sides run it)",
     )
+    parser.add_argument(
+        "--ingress", choices=("proxy", "haproxy"), help="set http.ingress (default: the config's)"
+    )
     parser.add_argument("--out", type=Path, help="write overhead.json here")
     add_dataset_arguments(parser)
     parser.set_defaults(num_prompts=32, random_input_len=128, random_output_len=32)
@@ -265,11 +270,13 @@ def run(args: argparse.Namespace) -> int:
         pool.engine.stream_interval = args.stream_interval
     if args.engine_core is not None:
         pool.engine.engine_core = args.engine_core
+    if args.ingress is not None:
+        config.http.ingress = args.ingress
     requests, dataset = requests_from_args(args)
     try:
-        with LocalServe() as local:
+        with LocalServe(ingress=config.http.ingress) as local:
             url = local.deploy({"overhead": config})["overhead"]
-            result = run_overhead(f"{url}/v1", "EMPTY", pool, requests, args.warmup)
+            result = run_overhead(f"{url}/v1", "EMPTY", pool, requests, args.warmup, config.http.ingress)
     except (LocalServeError, RuntimeError) as e:
         print(f"raylane bench overhead: {e}", file=sys.stderr)
         return 1
@@ -282,9 +289,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_overhead(
-    base_url: str, api_key: str, pool: PoolConfig, requests: list[BenchRequest], warmup: int = 2
+    base_url: str,
+    api_key: str,
+    pool: PoolConfig,
+    requests: list[BenchRequest],
+    warmup: int = 2,
+    ingress: str = "proxy",
 ) -> dict[str, Any]:
-    """Measure against a running app whose pool `pool` serves `pool.model_id` (Ray initialized)."""
+    """Measure against a running app whose pool `pool` serves `pool.model_id` (Ray initialized), behind
+    `ingress` (the app's http.ingress: what is in front of its gateway)."""
     import torch
 
     threads, before = ray_torch_threads(pool.engine.cpus_per_rank), torch.get_num_threads()
@@ -301,7 +314,7 @@ def run_overhead(
         "machine": machine_info() | {"torch_threads": engine_threads},
         "model": pool.model_id,
         "checkpoint": pool.model_path(),
-        "summary": summarize(pairs),
+        "summary": summarize(pairs, ingress),
         "other_load": load.fraction,
         "pairs": [asdict(p) for p in pairs],
     }

@@ -10,6 +10,7 @@ Parts, each with its goal (a goal that is not met is written as such, with the m
    runs each): useful tokens/s >= 3x HF; an engine decode step <= 25% over a bare forward.
 2. overhead: the same chat requests over HTTP (Serve proxy, gateway and router, pool replica) and to
    the same engine in this process, alternated, concurrency 1 (bench/overhead.py): <= 15 ms p50.
+   Then again behind `http.ingress: haproxy` in a Ray of its own, where Serve's HAProxy can run.
 3. routing: `model: "auto"` against the named pool, end to end, alternated (bench/router.py): auto
    adds <= 15 ms to E2E p50.
 4. prefix: the `prefix` dataset (a long shared system prompt, a short question) against the same
@@ -111,11 +112,43 @@ def run_overhead(args, urls: dict[str, str], config, tokenizer: str) -> dict[str
     from bench.overhead import run_overhead as measure
 
     requests = serving_requests(args, tokenizer, "overhead")
-    result = measure(f"{urls['main']}/v1", "EMPTY", config.pools[0], requests, warmup=2)
+    result = measure(f"{urls['main']}/v1", "EMPTY", config.pools[0], requests, 2, config.http.ingress)
     result["dataset_prompt_tokens"] = sum(r.prompt_tokens for r in requests) / len(requests)
-    write_json(args.out / "overhead.json", result)
+    write_json(args.out / f"overhead-{config.http.ingress}.json", result)
     result.pop("pairs")  # every pair is in overhead.json; the report keeps the summary
     return result
+
+
+def haproxy_elsewhere_problem() -> str | None:
+    """Why the overhead part cannot be measured again behind HAProxy, or None."""
+    import os
+
+    import ray
+
+    from cluster.serve_env import haproxy_problem
+
+    if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
+        return "the report runs on a Ray it did not start, whose ingress is set"
+    return haproxy_problem()
+
+
+def run_overhead_haproxy(args) -> dict[str, Any]:
+    """The overhead part again, with the main config behind `http.ingress: haproxy` (a Ray of its own:
+    the ingress is fixed when Ray starts); other load is metered once the app runs, as for the rest."""
+    from bench.apps import LocalServe
+    from bench.serving import DEMO_MODEL, serving_config
+
+    config = serving_config(args.model or DEMO_MODEL, ingress="haproxy")
+    tokenizer = config.pools[0].engine_config().tokenizer
+    try:
+        with LocalServe(ingress="haproxy") as local:
+            urls = local.deploy({"main": config})
+            return measured(
+                "overhead, http.ingress: haproxy", lambda: run_overhead(args, urls, config, tokenizer)
+            )
+    except Exception as e:  # Ray or the app did not start: recorded like a failed part
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def run_routing(args, urls: dict[str, str]) -> dict[str, Any]:
@@ -273,13 +306,19 @@ def run(args: argparse.Namespace) -> int:
     serving = [p for p in todo if p != "engine"]
     if serving:
         run_serving_parts(args, report, serving)
+    overhead = report["parts"].get("overhead", {})
+    if "overhead" in todo and "error" not in overhead:
+        if why := haproxy_elsewhere_problem():
+            print(f"overhead behind http.ingress: haproxy not measured: {why}", file=sys.stderr)
+        else:
+            overhead["haproxy"] = run_overhead_haproxy(args)
     from bench.serve import json_safe
 
     write_json(args.out / "report.json", json_safe(report))
     full, summary = full_markdown(report), summary_markdown(report)
     (args.out / "report.md").write_text(f"{summary}\n\n{full}\n")
     print(f"\n{summary}\n\n{full}\n\nwrote {args.out / 'report.md'} and {args.out / 'report.json'}")
-    failed = [p for p, r in report["parts"].items() if "error" in r]
+    failed = [p for p, r in report["parts"].items() if "error" in r or "error" in r.get("haproxy", {})]
     if failed:
         print(
             f"raylane bench report: failed parts: {', '.join(failed)}; docs left as they were",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -178,10 +178,18 @@ def _absolute(path: str) -> str:
 
 
 class HttpConfig(_Strict):
-    """Where Serve's HTTP proxy listens."""
+    """Where the HTTP listener is, and what it is."""
 
     host: str = Field("127.0.0.1", description="Listen address; 0.0.0.0 to accept remote clients.")
     port: int = Field(8000, ge=1, le=65535, description="Listen port.")
+    ingress: Literal["proxy", "haproxy"] = Field(
+        "proxy",
+        description="proxy: Serve's HTTP proxy actor passes each request and chunk to the gateway. "
+        "haproxy: Serve's HAProxy direct ingress (Linux; the binary comes with ray[serve]) forwards "
+        "connections to the gateway replicas, which serve HTTP themselves: one Python hop less per "
+        "request and per streamed chunk. One Ray cluster per machine then (fixed ports and paths); "
+        "`raylane serve` only, not the KubeRay manifests yet.",
+    )
     request_timeout_s: float | None = Field(
         None, gt=0, description="End requests (streams included) running longer than this; none by default."
     )

@@ -65,6 +65,12 @@ def run(args: argparse.Namespace) -> int:
     if not joined and (missing := missing_checkpoints(config)):  # on this machine, check before starting
         print("raylane serve: " + "; ".join(missing), file=sys.stderr)
         return 2
+    if not joined and config.http.ingress == "haproxy":
+        from cluster.serve_env import haproxy_problem
+
+        if why := haproxy_problem():
+            print(f"raylane serve: http.ingress: haproxy: {why}; use proxy", file=sys.stderr)
+            return 2
     demo = sorted({p.demo_model for p in config.pools if p.demo_model})
     if demo:  # write them here, with a progress bar, rather than silently in each replica
         from cluster.demo_models import create_demo_models, default_demo_dir
@@ -78,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from deployments.app import APP_NAME, build_app
 
     status = 0
-    with serve_env():
+    with serve_env(config.http.ingress):  # joining a cluster: it runs with what it was started with
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local", namespace="raylane")
     for signum in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a shell may start us with it ignored
         _stop_on(signum)

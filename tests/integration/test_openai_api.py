@@ -4,6 +4,7 @@ The pools serve random-weight demo models, so tests check what the API promises 
 usage, determinism, constraints, streaming equal to non-streaming) rather than what the text says.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -583,3 +584,75 @@ def test_raylane_serve_runs_the_embedded_default_until_ctrl_c(demo_models):
             os.killpg(proc.pid, signal.SIGKILL)
     reader.join(timeout=5)
     assert "raylane: stopped" in "".join(lines)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Serve's HAProxy ingress is Linux-only")
+def test_raylane_serve_behind_haproxy_ingress_streams_and_stops_cleanly(demo_models, tmp_path):
+    """`http.ingress: haproxy`: Serve's HAProxy takes the port and forwards to the gateway replica,
+    the OpenAI API streams through it, and Ctrl-C leaves no HAProxy behind."""
+    from tests.live_servers import free_port
+
+    port = free_port()
+    config = tmp_path / "haproxy.yaml"
+    config.write_text(
+        f"http: {{port: {port}, ingress: haproxy}}\n"
+        "embeddings: {enabled: false}\n"
+        "pools: [{name: chat, model: 'demo:raylane-llama-tiny', engine: {num_kv_blocks: 128}}]\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAYLANE_DEMO_DIR"] = str(next(iter(demo_models.values())).parent)
+    command = [str(Path(sys.executable).with_name("raylane")), "serve", "--config", str(config)]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        assert wait_for(lambda: any("OpenAI API at" in line for line in list(lines)), timeout=150), "".join(
+            lines[-30:]
+        )
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        chunks = list(
+            client.chat.completions.create(
+                model="chat",
+                messages=HELLO,
+                max_tokens=16,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+        )
+        assert chunks[-1].usage.completion_tokens == 16
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)  # streamed text
+        started = descendants(proc.pid)
+        haproxies = [p for p in started if b"haproxy" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert port in listening_ports(haproxies)  # HAProxy, not Serve's proxy actor, holds the API port
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0
+        assert wait_for(lambda: not [p for p in started if alive(p)], timeout=15)
+    finally:
+        if proc.poll() is None:  # Ctrl-C first: a killed Ray leaves its HAProxy running, holding ports
+            proc.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=120)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(timeout=5)
+
+
+def listening_ports(pids: list[int]) -> set[int]:
+    """TCP ports the processes `pids` listen on (from /proc: socket inodes of LISTEN entries)."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                if (target := os.readlink(fd)).startswith("socket:["):
+                    inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports

@@ -107,3 +107,39 @@ def test_replace_marked_rewrites_only_between_the_markers():
         replace_marked(text, "summary", "x", "README.md")
     with pytest.raises(ReportError):  # the closing marker before the opening one
         replace_marked("<!-- /bench-report:full --> <!-- bench-report:full -->", "full", "x")
+
+
+def overhead_part(ttft: float, e2e: float, ingress: str) -> dict:
+    side = {"http": stats(60.0), "engine": stats(50.0)}
+    return {
+        "machine": {"torch_threads": 1},
+        "dataset_prompt_tokens": 130.0,
+        "other_load": 0.01,
+        "summary": {
+            "ingress": ingress,
+            "requests": 32,
+            "identical_outputs": 32,
+            "ttft": side | {"overhead_p50_ms": ttft},
+            "e2e": side | {"overhead_p50_ms": e2e},
+            "goal_ms": 15.0,
+            "goal_met": max(ttft, e2e) <= 15,
+        },
+    }
+
+
+def test_the_haproxy_overhead_is_reported_beside_the_proxy_one():
+    both = report(sweep=[(1, 100.0), (2, 180.0)], gain=7.0)
+    both["parts"]["overhead"] = overhead_part(10.5, 21.0, "proxy") | {
+        "haproxy": overhead_part(8.0, 12.5, "haproxy")
+    }
+    summary = summary_markdown(both)
+    assert (
+        "| serving overhead over the engine, p50, concurrency 1 | <= 15 ms | TTFT +10.5 ms, E2E +21.0 ms "
+        "| **NOT met** |" in summary
+    )
+    assert "| the same, `http.ingress: haproxy` | <= 15 ms | TTFT +8.0 ms, E2E +12.5 ms | met |" in summary
+    full = full_markdown(both)
+    assert "| E2E HTTP: HAProxy, gateway, pool" in full and "| E2E HTTP: proxy, gateway, pool" in full
+    assert "serving adds **8.0 ms** to TTFT p50 and **12.5 ms** to E2E p50 (goal <= 15 ms: met)" in full
+    both["parts"]["overhead"]["haproxy"] = {"error": "LocalServeError: --ingress haproxy: port 8404 is taken"}
+    assert "Behind `http.ingress: haproxy`: failed (LocalServeError" in full_markdown(both)

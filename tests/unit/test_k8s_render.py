@@ -253,3 +253,8 @@ def test_render_refuses_what_a_manifest_cannot_hold(tmp_path, capsys):
     (tmp_path / "outside.yaml").write_text(yaml.safe_dump(outside))
     assert main(["k8s", "render", "--config", str(tmp_path / "outside.yaml")]) == 2
     assert "pools[0] (coding).model" in capsys.readouterr().err
+    haproxy = yaml.safe_load((K8S / "configs" / "cpu-demo.yaml").read_text())
+    haproxy["http"] = {"ingress": "haproxy"}  # its probes and Service are the proxy's
+    (tmp_path / "haproxy.yaml").write_text(yaml.safe_dump(haproxy))
+    assert main(["k8s", "render", "--config", str(tmp_path / "haproxy.yaml")]) == 2
+    assert "http.ingress" in capsys.readouterr().err
