@@ -115,7 +115,7 @@ def run_overhead(args, urls: dict[str, str], config, tokenizer: str) -> dict[str
     result = measure(f"{urls['main']}/v1", "EMPTY", config.pools[0], requests, 2, config.http.ingress)
     result["dataset_prompt_tokens"] = sum(r.prompt_tokens for r in requests) / len(requests)
     write_json(args.out / f"overhead-{config.http.ingress}.json", result)
-    result.pop("pairs")  # every pair is in overhead.json; the report keeps the summary
+    result.pop("pairs")  # every pair is in the JSON file; the report keeps the summary
     return result
 
 
