@@ -70,13 +70,11 @@ class LocalServe:
         from ray import serve
         from ray.serve.context import _get_global_client
 
-        from cluster.serve_env import haproxy_problem, serve_env
+        from cluster.serve_env import serve_env
 
+        if why := self.ingress_problem(self.ingress):
+            raise LocalServeError(f"--ingress {self.ingress}: {why}")
         joined = os.environ.get("RAY_ADDRESS")
-        if self.ingress == "haproxy":
-            why = "it needs a Ray started here" if joined or ray.is_initialized() else haproxy_problem()
-            if why:
-                raise LocalServeError(f"--ingress haproxy: {why}")
         if not ray.is_initialized():
             with serve_env(self.ingress):
                 ray.init(
@@ -95,6 +93,20 @@ class LocalServe:
             serve.start(http_options={"host": "127.0.0.1", "port": self.port})
             self._started_serve = True
         return self
+
+    @staticmethod
+    def ingress_problem(ingress: str) -> str | None:
+        """Why a LocalServe cannot serve behind `ingress` here, or None: the ingress is fixed when Ray
+        starts, so anything but the proxy needs a Ray this object starts itself."""
+        import ray
+
+        from cluster.serve_env import haproxy_problem
+
+        if ingress == "proxy":
+            return None
+        if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
+            return "it needs a Ray started here, not one already running"
+        return haproxy_problem()
 
     def add(self, name: str, config: ClusterConfig) -> None:
         """Stage `config` as app `raylane-bench-NAME` at /NAME; the next `url` or `deploy` starts it."""

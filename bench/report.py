@@ -119,19 +119,6 @@ def run_overhead(args, urls: dict[str, str], config, tokenizer: str) -> dict[str
     return result
 
 
-def haproxy_elsewhere_problem() -> str | None:
-    """Why the overhead part cannot be measured again behind HAProxy, or None."""
-    import os
-
-    import ray
-
-    from cluster.serve_env import haproxy_problem
-
-    if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
-        return "the report runs on a Ray it did not start, whose ingress is set"
-    return haproxy_problem()
-
-
 def run_overhead_haproxy(args) -> dict[str, Any]:
     """The overhead part again, with the main config behind `http.ingress: haproxy` (a Ray of its own:
     the ingress is fixed when Ray starts); other load is metered once the app runs, as for the rest."""
@@ -290,6 +277,7 @@ def measured(part: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from bench.apps import LocalServe
     from bench.report_markdown import full_markdown, summary_markdown
 
     todo = [p for p in PARTS if p not in args.skip]
@@ -308,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
         run_serving_parts(args, report, serving)
     overhead = report["parts"].get("overhead", {})
     if "overhead" in todo and "error" not in overhead:
-        if why := haproxy_elsewhere_problem():
+        if why := LocalServe.ingress_problem("haproxy"):
             print(f"overhead behind http.ingress: haproxy not measured: {why}", file=sys.stderr)
         else:
             overhead["haproxy"] = run_overhead_haproxy(args)

@@ -117,7 +117,7 @@ def overhead_section(part: dict[str, Any]) -> str:
 
 
 def overhead_cells(s: dict[str, Any]) -> list[str]:
-    measured = f"TTFT +{s['ttft']['overhead_p50_ms']:.1f} ms, E2E +{s['e2e']['overhead_p50_ms']:.1f} ms"
+    measured = f"TTFT {s['ttft']['overhead_p50_ms']:+.1f} ms, E2E {s['e2e']['overhead_p50_ms']:+.1f} ms"
     return ["<= 15 ms", measured, met(s["goal_met"])]
 
 

@@ -9,7 +9,7 @@ decide much of the serving overhead (`raylane bench overhead`, bench/README.md):
   and two threads fewer competing with the engine thread for the GIL;
 - the proxy and deployment handles talk gRPC, not Ray actor calls.
 
-Direct ingress, the rest of that mode, is `http.ingress: haproxy` (`ingress_env`): an HAProxy per
+Direct ingress, the rest of that mode, is `http.ingress: haproxy` (`HAPROXY_ENV`): an HAProxy per
 node forwards connections to the gateway replicas, which serve HTTP themselves, so the proxy actor
 leaves the path. It is not the default: Ray 2.60's HAProxy keeps its config and admin socket under
 /tmp/haproxy-serve and listens on fixed stats and metrics ports (8404, 9101, on all interfaces), so
@@ -40,11 +40,6 @@ HAPROXY_ENV = {
     # fraction of a second, and `raylane serve` drains the gateway before it stops anything.
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5",
 }
-
-
-def ingress_env(ingress: str) -> dict[str, str]:
-    """SERVE_ENV plus what `http.ingress` needs."""
-    return SERVE_ENV | (HAPROXY_ENV if ingress == "haproxy" else {})
 
 
 def haproxy_problem() -> str | None:
@@ -79,7 +74,8 @@ def serve_env(ingress: str = "proxy") -> Iterator[None]:
     """Start Ray inside this: the processes it starts inherit raylane's Serve settings."""
     import ray.serve._private.constants  # noqa: F401  (read now: this process keeps the defaults)
 
-    added = {name: value for name, value in ingress_env(ingress).items() if name not in os.environ}
+    settings = SERVE_ENV | (HAPROXY_ENV if ingress == "haproxy" else {})
+    added = {name: value for name, value in settings.items() if name not in os.environ}
     os.environ.update(added)
     try:
         yield

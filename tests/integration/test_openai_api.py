@@ -517,17 +517,12 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
-def test_raylane_serve_runs_the_embedded_default_until_ctrl_c(demo_models):
-    """The README's main command on a machine with the demo models: a fresh Ray, three pools; Ctrl-C
-    drains (a running stream finishes, new requests get 503) and leaves nothing running."""
-    import httpx2
-
-    from tests.live_servers import free_port
-
-    port = free_port()
+def start_raylane_serve(demo_models, *args: str) -> tuple[subprocess.Popen, list[str], threading.Thread]:
+    """`raylane serve ARGS` in a session of its own, on the demo models already written (no download),
+    returned once it prints its URL; its output lines keep coming into the list the reader fills."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["RAYLANE_DEMO_DIR"] = str(next(iter(demo_models.values())).parent)  # already written: no download
-    command = [str(Path(sys.executable).with_name("raylane")), "serve", "--port", str(port)]
+    env["RAYLANE_DEMO_DIR"] = str(next(iter(demo_models.values())).parent)
+    command = [str(Path(sys.executable).with_name("raylane")), "serve", *args]
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
     )
@@ -539,6 +534,32 @@ def test_raylane_serve_runs_the_embedded_default_until_ctrl_c(demo_models):
             lambda: any("OpenAI API at" in line for line in list(lines)), timeout=150, interval=0.5
         )
         assert ready, "".join(lines[-30:])
+    except BaseException:
+        stop_raylane_serve(proc)
+        raise
+    return proc, lines, reader
+
+
+def stop_raylane_serve(proc: subprocess.Popen) -> None:
+    """Ctrl-C, then kill what is left: a killed Ray leaves an HAProxy running, holding its ports."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=120)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_raylane_serve_runs_the_embedded_default_until_ctrl_c(demo_models):
+    """The README's main command on a machine with the demo models: a fresh Ray, three pools; Ctrl-C
+    drains (a running stream finishes, new requests get 503) and leaves nothing running."""
+    import httpx2
+
+    from tests.live_servers import free_port
+
+    port = free_port()
+    proc, lines, reader = start_raylane_serve(demo_models, "--port", str(port))
+    try:
         url = next(line for line in lines if "OpenAI API at" in line).split(" at ", 1)[1].split()[0]
         assert url == f"http://127.0.0.1:{port}/v1"
         client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
@@ -599,19 +620,8 @@ def test_raylane_serve_behind_haproxy_ingress_streams_and_stops_cleanly(demo_mod
         "embeddings: {enabled: false}\n"
         "pools: [{name: chat, model: 'demo:raylane-llama-tiny', engine: {num_kv_blocks: 128}}]\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["RAYLANE_DEMO_DIR"] = str(next(iter(demo_models.values())).parent)
-    command = [str(Path(sys.executable).with_name("raylane")), "serve", "--config", str(config)]
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
+    proc, _, reader = start_raylane_serve(demo_models, "--config", str(config))
     try:
-        assert wait_for(lambda: any("OpenAI API at" in line for line in list(lines)), timeout=150), "".join(
-            lines[-30:]
-        )
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
         chunks = list(
             client.chat.completions.create(
@@ -632,12 +642,7 @@ def test_raylane_serve_behind_haproxy_ingress_streams_and_stops_cleanly(demo_mod
         assert proc.wait(timeout=120) == 0
         assert wait_for(lambda: not [p for p in started if alive(p)], timeout=15)
     finally:
-        if proc.poll() is None:  # Ctrl-C first: a killed Ray leaves its HAProxy running, holding ports
-            proc.send_signal(signal.SIGINT)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=120)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_raylane_serve(proc)
     reader.join(timeout=5)
 
 
