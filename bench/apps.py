@@ -55,9 +55,9 @@ def prepare_checkpoints(configs: list[ClusterConfig]) -> None:
 class LocalServe:
     """In-process Ray + Serve for benchmark apps (see the module docstring)."""
 
-    def __init__(self, deploy_timeout_s: float = DEPLOY_TIMEOUT_S, ingress: str = "proxy"):
+    def __init__(self, deploy_timeout_s: float = DEPLOY_TIMEOUT_S, ingress: str = "auto"):
         self.deploy_timeout_s = deploy_timeout_s
-        self.ingress = ingress  # http.ingress of the Ray this starts (a running one keeps its own)
+        self.ingress = ingress  # asked for; once entered, what is in front of the apps: proxy or haproxy
         self.port: int | None = None
         self.apps: list[str] = []  # the Serve apps this object deployed (deleted on exit)
         self._pending: dict[str, ClusterConfig] = {}
@@ -76,7 +76,7 @@ class LocalServe:
             raise LocalServeError(f"--ingress {self.ingress}: {why}")
         joined = os.environ.get("RAY_ADDRESS")
         if not ray.is_initialized():
-            with serve_env(self.ingress):
+            with serve_env(self.ingress) as self.ingress:
                 ray.init(
                     address=joined or "local",
                     num_cpus=None if joined else max(os.cpu_count() or 1, LOGICAL_CPUS),
@@ -87,7 +87,9 @@ class LocalServe:
             self._started_ray = True
         client = _get_global_client(raise_if_no_controller_running=False)
         if client is not None:  # Serve already runs (a test session, a cluster): use its listener
-            self.port = int((client.get_serve_details().get("http_options") or {}).get("port") or 8000)
+            details = client.get_serve_details()
+            self.port = int((details.get("http_options") or {}).get("port") or 8000)
+            self.ingress = running_ingress(details)
         else:
             self.port = free_port()
             serve.start(http_options={"host": "127.0.0.1", "port": self.port})
@@ -97,16 +99,16 @@ class LocalServe:
     @staticmethod
     def ingress_problem(ingress: str) -> str | None:
         """Why a LocalServe cannot serve behind `ingress` here, or None: the ingress is fixed when Ray
-        starts, so anything but the proxy needs a Ray this object starts itself."""
+        starts, so a given one needs a Ray this object starts itself (`auto` takes what runs)."""
         import ray
 
         from cluster.serve_env import haproxy_problem
 
-        if ingress == "proxy":
+        if ingress == "auto":
             return None
         if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
             return "it needs a Ray started here, not one already running"
-        return haproxy_problem()
+        return haproxy_problem() if ingress == "haproxy" else None
 
     def add(self, name: str, config: ClusterConfig) -> None:
         """Stage `config` as app `raylane-bench-NAME` at /NAME; the next `url` or `deploy` starts it."""
@@ -159,6 +161,17 @@ class LocalServe:
         finally:
             if self._started_ray:
                 ray.shutdown()
+
+
+def running_ingress(serve_details: dict) -> str:
+    """haproxy when Serve runs HAProxy (its proxy actors are then HAProxy managers), else proxy."""
+    import ray
+
+    for proxy in (serve_details.get("proxies") or {}).values():
+        actor = ray.get_actor(proxy["actor_name"], namespace="serve")
+        haproxy = actor._ray_actor_creation_function_descriptor.class_name == "HAProxyManager"
+        return "haproxy" if haproxy else "proxy"
+    return "proxy"
 
 
 def wait_healthy(url: str, deadline: float) -> None:

@@ -250,7 +250,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="set the pool's engine.engine_core (both sides run it)",
     )
     parser.add_argument(
-        "--ingress", choices=("proxy", "haproxy"), help="set http.ingress (default: the config's)"
+        "--ingress", choices=("auto", "proxy", "haproxy"), help="set http.ingress (default: the config's)"
     )
     parser.add_argument("--out", type=Path, help="write overhead.json here")
     add_dataset_arguments(parser)
@@ -276,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with LocalServe(ingress=config.http.ingress) as local:
             url = local.deploy({"overhead": config})["overhead"]
-            result = run_overhead(f"{url}/v1", "EMPTY", pool, requests, args.warmup, config.http.ingress)
+            result = run_overhead(f"{url}/v1", "EMPTY", pool, requests, args.warmup, local.ingress)
     except (LocalServeError, RuntimeError) as e:
         print(f"raylane bench overhead: {e}", file=sys.stderr)
         return 1
@@ -297,7 +297,7 @@ def run_overhead(
     ingress: str = "proxy",
 ) -> dict[str, Any]:
     """Measure against a running app whose pool `pool` serves `pool.model_id` (Ray initialized), behind
-    `ingress` (the app's http.ingress: what is in front of its gateway)."""
+    `ingress` (what is in front of its gateway: proxy or haproxy)."""
     import torch
 
     threads, before = ray_torch_threads(pool.engine.cpus_per_rank), torch.get_num_threads()

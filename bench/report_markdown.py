@@ -111,7 +111,7 @@ def overhead_section(part: dict[str, Any]) -> str:
             f"- serving adds **{ttft:.1f} ms** to TTFT p50 and **{e2e:.1f} ms** to E2E p50 "
             f"(goal <= {s['goal_ms']:g} ms: {met(s['goal_met'])}); greedy outputs identical on both sides: "
             f"{s['identical_outputs']}/{s['requests']}",
-            *haproxy_lines(part.get("haproxy")),
+            *other_ingress_lines(part.get("other_ingress")),
         ]
     )
 
@@ -121,21 +121,27 @@ def overhead_cells(s: dict[str, Any]) -> list[str]:
     return ["<= 15 ms", measured, met(s["goal_met"])]
 
 
-def haproxy_lines(part: dict[str, Any] | None) -> list[str]:
-    """The same measurement behind `http.ingress: haproxy`, when the report made it."""
+INGRESS_WORDS = {
+    "haproxy": "Serve's HAProxy direct ingress: HAProxy forwards connections to the gateway replica, "
+    "which serves HTTP itself",
+    "proxy": "Serve's proxy actor passes each request and streamed chunk on to the gateway replica",
+}
+
+
+def other_ingress_lines(part: dict[str, Any] | None) -> list[str]:
+    """The same measurement behind the other `http.ingress`, when the report made it."""
     from bench.overhead import table_rows
 
     if not part:
         return []
     if "error" in part:
-        return ["", f"Behind `http.ingress: haproxy`: failed ({part['error']})."]
+        return ["", f"Behind the other `http.ingress`: failed ({part['error']})."]
     s = part["summary"]
     ttft, e2e = s["ttft"]["overhead_p50_ms"], s["e2e"]["overhead_p50_ms"]
     return [
         "",
-        "The same requests with the main config behind `http.ingress: haproxy` (Serve's HAProxy direct "
-        "ingress: HAProxy forwards connections to the gateway replica, which serves HTTP itself; no proxy "
-        f"actor), in a Ray of its own; other load {pct(part.get('other_load'))}:",
+        f"The same requests with the main config behind `http.ingress: {s['ingress']}` "
+        f"({INGRESS_WORDS[s['ingress']]}), in a Ray of its own; other load {pct(part.get('other_load'))}:",
         "",
         table(["latency (ms)", "p50", "p99"], table_rows(s)),
         "",
@@ -303,9 +309,13 @@ def summary_rows(report: dict[str, Any]) -> list[list[str]]:
             ["engine decode step over a bare forward", "<= 25%", f"{overhead:+.1f}%", met(overhead <= 25)]
         )
     if o := ok("overhead"):
-        rows.append(["serving overhead over the engine, p50, concurrency 1", *overhead_cells(o["summary"])])
-        if "summary" in (h := o.get("haproxy") or {}):
-            rows.append(["the same, `http.ingress: haproxy`", *overhead_cells(h["summary"])])
+        front = "HAProxy" if o["summary"]["ingress"] == "haproxy" else "proxy"
+        rows.append(
+            [f"serving overhead over the engine, p50, concurrency 1 ({front})", *overhead_cells(o["summary"])]
+        )
+        if "summary" in (h := o.get("other_ingress") or {}):
+            other = h["summary"]
+            rows.append([f"the same, `http.ingress: {other['ingress']}`", *overhead_cells(other)])
     if r := ok("routing"):
         s = r["summary"]
         measured = f"E2E {s['e2e']['added_p50_ms']:+.1f} ms (TTFT {s['ttft']['added_p50_ms']:+.1f} ms)"

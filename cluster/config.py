@@ -182,13 +182,12 @@ class HttpConfig(_Strict):
 
     host: str = Field("127.0.0.1", description="Listen address; 0.0.0.0 to accept remote clients.")
     port: int = Field(8000, ge=1, le=65535, description="Listen port.")
-    ingress: Literal["proxy", "haproxy"] = Field(
-        "proxy",
-        description="proxy: Serve's HTTP proxy actor passes each request and chunk to the gateway. "
-        "haproxy: Serve's HAProxy direct ingress (Linux; the binary comes with ray[serve]) forwards "
-        "connections to the gateway replicas, which serve HTTP themselves: one Python hop less per "
-        "request and per streamed chunk. One Ray cluster per machine then (fixed ports and paths); "
-        "`raylane serve` only, not the KubeRay manifests yet.",
+    ingress: Literal["auto", "proxy", "haproxy"] = Field(
+        "auto",
+        description="haproxy: Serve's HAProxy direct ingress (Linux; the binary comes with ray[serve]) "
+        "forwards connections to the gateway replicas, which serve HTTP themselves. proxy: Serve's HTTP "
+        "proxy actor passes each request and streamed chunk on to the gateway, one Python process more "
+        "on the way. auto: haproxy where it can run, else proxy; the KubeRay manifests run proxy.",
     )
     request_timeout_s: float | None = Field(
         None, gt=0, description="End requests (streams included) running longer than this; none by default."

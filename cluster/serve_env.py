@@ -21,9 +21,13 @@ that starts Ray keeps Serve's defaults, since a driver calls handles outside an 
 handle router on the caller's loop cannot serve. A variable already set wins.
 """
 
+import glob
 import os
+import shutil
 import socket
 import sys
+import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -40,6 +44,31 @@ HAPROXY_ENV = {
     # fraction of a second, and `raylane serve` drains the gateway before it stops anything.
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5",
 }
+# Ray 2.60's HAProxy defaults are the same for every cluster: its files under /tmp/haproxy-serve,
+# stats, metrics and fallback-proxy ports 8404, 9101, 8500 and 9500. Each Ray raylane starts gets
+# its own (`haproxy_env`), so a test session, a `raylane serve` and a benchmark can run side by side.
+HAPROXY_PORTS = {
+    "RAY_SERVE_HAPROXY_STATS_PORT": "stats",
+    "RAY_SERVE_HAPROXY_METRICS_PORT": "metrics",
+    "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": "fallback proxy HTTP",
+    "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": "fallback proxy gRPC",
+}
+HAPROXY_FILES = {
+    "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg",
+    "RAY_SERVE_HAPROXY_SOCKET_PATH": "admin.sock",
+    "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": "metrics.sock",
+    "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "server-state",
+}
+# HAProxy puts each node's files in a subfolder named by the node id (56 characters) and allows
+# socket paths of at most 97: the folder has to be short, in /tmp whatever $TMPDIR says.
+STATE_ROOT, STATE_PREFIX = "/tmp", "rlha-"
+
+
+def resolve_ingress(ingress: str) -> str:
+    """`auto` is `haproxy` where it can run (Linux, with the binary ray[serve] bundles), else `proxy`."""
+    if ingress == "auto":
+        return "proxy" if haproxy_problem() else "haproxy"
+    return ingress
 
 
 def haproxy_problem() -> str | None:
@@ -47,38 +76,70 @@ def haproxy_problem() -> str | None:
     if not sys.platform.startswith("linux"):
         return "Serve's HAProxy ingress runs on Linux only"
     try:
-        from ray.serve._private import constants
         from ray.serve._private.haproxy import get_haproxy_binary
 
         get_haproxy_binary()
     except (ImportError, FileNotFoundError) as e:
         return f"no HAProxy binary ({e})"
-    for port, use in (
-        (constants.RAY_SERVE_HAPROXY_STATS_PORT, "stats"),
-        (constants.RAY_SERVE_HAPROXY_METRICS_PORT, "metrics"),
-    ):
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                return (
-                    f"port {port}, where HAProxy serves its {use}, is taken (another Ray with this ingress "
-                    "on the machine, or an HAProxy left by a killed one)"
-                )
+    for name, use in HAPROXY_PORTS.items():  # ports set by hand: the ones raylane picks are free
+        if name in os.environ and not _free(int(os.environ[name])):
+            return f"port {os.environ[name]} ({name}), where HAProxy serves its {use}, is taken"
     return None
 
 
+def haproxy_env() -> dict[str, str]:
+    """HAPROXY_ENV plus files and ports of this cluster's own (a variable already set wins)."""
+    _remove_stale_state()
+    state = tempfile.mkdtemp(prefix=STATE_PREFIX, dir=STATE_ROOT)
+    files = {name: os.path.join(state, file) for name, file in HAPROXY_FILES.items()}
+    return (
+        HAPROXY_ENV
+        | files
+        | {"RAY_SERVE_HAPROXY_SERVER_STATE_BASE": state}
+        | {name: str(_pick_port()) for name in HAPROXY_PORTS}
+    )
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def _pick_port() -> int:
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        return s.getsockname()[1]
+
+
+def _remove_stale_state(min_age_s: float = 600.0) -> None:
+    """Drop the files of HAProxies that are gone (nothing listens on the admin socket any more)."""
+    for state in glob.glob(os.path.join(STATE_ROOT, STATE_PREFIX + "*")):
+        try:
+            if time.time() - os.path.getmtime(state) < min_age_s:  # perhaps a Ray starting right now
+                continue
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(os.path.join(state, HAPROXY_FILES["RAY_SERVE_HAPROXY_SOCKET_PATH"]))
+        except OSError:
+            shutil.rmtree(state, ignore_errors=True)
+
+
 @contextmanager
-def serve_env(ingress: str = "proxy") -> Iterator[None]:
-    """Start Ray inside this: the processes it starts inherit raylane's Serve settings."""
+def serve_env(ingress: str = "auto") -> Iterator[str]:
+    """Start Ray inside this: the processes it starts inherit raylane's Serve settings. Yields the
+    ingress they run (`auto` resolved)."""
     import ray.serve._private.constants  # noqa: F401  (read now: this process keeps the defaults)
 
-    settings = SERVE_ENV | (HAPROXY_ENV if ingress == "haproxy" else {})
+    ingress = resolve_ingress(ingress)
+    settings = SERVE_ENV | (haproxy_env() if ingress == "haproxy" else {})
     added = {name: value for name, value in settings.items() if name not in os.environ}
     os.environ.update(added)
     try:
-        yield
+        yield ingress
     finally:
         for name in added:
             os.environ.pop(name, None)

@@ -560,8 +560,11 @@ def test_raylane_serve_runs_the_embedded_default_until_ctrl_c(demo_models):
     port = free_port()
     proc, lines, reader = start_raylane_serve(demo_models, "--port", str(port))
     try:
-        url = next(line for line in lines if "OpenAI API at" in line).split(" at ", 1)[1].split()[0]
+        banner = next(line for line in lines if "OpenAI API at" in line)
+        url = banner.split(" at ", 1)[1].split()[0]
         assert url == f"http://127.0.0.1:{port}/v1"
+        if sys.platform.startswith("linux"):  # http.ingress: auto is Serve's HAProxy here
+            assert "behind Serve's HAProxy" in banner
         client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list()] == ["coding", "reasoning", "chat", "all-MiniLM-L6-v2"]
         r = client.chat.completions.create(model="reasoning", messages=HELLO, max_tokens=4)
@@ -608,11 +611,17 @@ def test_raylane_serve_runs_the_embedded_default_until_ctrl_c(demo_models):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Serve's HAProxy ingress is Linux-only")
-def test_raylane_serve_behind_haproxy_ingress_streams_and_stops_cleanly(demo_models, tmp_path):
-    """`http.ingress: haproxy`: Serve's HAProxy takes the port and forwards to the gateway replica,
-    the OpenAI API streams through it, and Ctrl-C leaves no HAProxy behind."""
+def test_raylane_serve_behind_haproxy_runs_beside_another_haproxy_ray(api_server, demo_models, tmp_path):
+    """Two Rays on one machine, each behind its own HAProxy (this test session's and a `raylane
+    serve`): Ray's HAProxy files and ports are the same for every cluster unless raylane gives each its
+    own. The second one takes its API port, streams through it, and Ctrl-C leaves no HAProxy behind."""
+    from ray.serve.context import _get_global_client
+
+    from bench.apps import running_ingress
     from tests.live_servers import free_port
 
+    session_port = int(api_server.url.rsplit(":", 1)[1])
+    assert running_ingress(_get_global_client().get_serve_details()) == "haproxy"
     port = free_port()
     config = tmp_path / "haproxy.yaml"
     config.write_text(
@@ -637,7 +646,10 @@ def test_raylane_serve_behind_haproxy_ingress_streams_and_stops_cleanly(demo_mod
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)  # streamed text
         started = descendants(proc.pid)
         haproxies = [p for p in started if b"haproxy" in Path(f"/proc/{p}/cmdline").read_bytes()]
-        assert port in listening_ports(haproxies)  # HAProxy, not Serve's proxy actor, holds the API port
+        ports = listening_ports(haproxies)
+        assert port in ports  # HAProxy, not Serve's proxy actor, holds the API port
+        assert session_port not in ports  # the session's own HAProxy still has its own
+        assert openai.OpenAI(base_url=api_server.base_url, api_key="x", max_retries=0).models.list().data
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 0
         assert wait_for(lambda: not [p for p in started if alive(p)], timeout=15)
