@@ -70,7 +70,7 @@ class LocalServe:
         from ray import serve
         from ray.serve.context import _get_global_client
 
-        from cluster.serve_env import serve_env
+        from cluster.serve_env import running_ingress, serve_env
 
         if why := self.ingress_problem(self.ingress):
             raise LocalServeError(f"--ingress {self.ingress}: {why}")
@@ -161,17 +161,6 @@ class LocalServe:
         finally:
             if self._started_ray:
                 ray.shutdown()
-
-
-def running_ingress(serve_details: dict) -> str:
-    """haproxy when Serve runs HAProxy (its proxy actors are then HAProxy managers), else proxy."""
-    import ray
-
-    for proxy in (serve_details.get("proxies") or {}).values():
-        actor = ray.get_actor(proxy["actor_name"], namespace="serve")
-        haproxy = actor._ray_actor_creation_function_descriptor.class_name == "HAProxyManager"
-        return "haproxy" if haproxy else "proxy"
-    return "proxy"
 
 
 def wait_healthy(url: str, deadline: float) -> None:

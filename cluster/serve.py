@@ -126,6 +126,7 @@ def redeploy_in_place(config) -> int | None:
     from ray import serve
     from ray.serve.context import _get_global_client
 
+    from cluster.serve_env import running_ingress
     from deployments.app import APP_NAME, build_app
 
     try:
@@ -142,6 +143,13 @@ def redeploy_in_place(config) -> int | None:
             print(
                 f"raylane serve: http.port {config.http.port} differs from the running cluster's "
                 f"{running.get('port')}; the HTTP listener cannot move in place: stop it first",
+                file=sys.stderr,
+            )
+            return 2
+        if config.http.ingress != "auto" and config.http.ingress != (ingress := running_ingress(details)):
+            print(
+                f"raylane serve: http.ingress {config.http.ingress} differs from the running cluster's "
+                f"{ingress}; the ingress is fixed when Ray starts: stop it first",
                 file=sys.stderr,
             )
             return 2

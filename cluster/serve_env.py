@@ -9,14 +9,15 @@ decide much of the serving overhead (`raylane bench overhead`, bench/README.md):
   and two threads fewer competing with the engine thread for the GIL;
 - the proxy and deployment handles talk gRPC, not Ray actor calls.
 
-Direct ingress, the rest of that mode, is `http.ingress: haproxy` (`HAPROXY_ENV`): an HAProxy per
-node forwards connections to the gateway replicas, which serve HTTP themselves, so the proxy actor
-leaves the path. It is not the default: Ray 2.60's HAProxy keeps its config and admin socket under
-/tmp/haproxy-serve and listens on fixed stats and metrics ports (8404, 9101, on all interfaces), so
-two Ray clusters on one machine (a test session and a `raylane serve`) get in each other's way.
+Direct ingress, the rest of that mode, is `http.ingress: haproxy`, which `auto` (the default) picks
+wherever it can run: an HAProxy per node forwards connections to the gateway replicas, which serve
+HTTP themselves, so the proxy actor leaves the path. Ray 2.60's HAProxy keeps its files under
+/tmp/haproxy-serve and listens on fixed stats, metrics and fallback-proxy ports, the same for every
+cluster; `haproxy_env` gives each Ray started here its own, so two clusters on one machine (a test
+session and a `raylane serve`) stay out of each other's way.
 
 The variables must be in the environment of Ray's processes: `raylane serve` and the benchmarks
-start Ray inside `serve_env()`, the KubeRay manifests set them in every Ray container. The process
+start Ray inside `serve_env()`, the KubeRay manifests set SERVE_ENV in every Ray container. The process
 that starts Ray keeps Serve's defaults, since a driver calls handles outside an event loop, which a
 handle router on the caller's loop cannot serve. A variable already set wins.
 """
@@ -85,6 +86,17 @@ def haproxy_problem() -> str | None:
         if name in os.environ and not _free(int(os.environ[name])):
             return f"port {os.environ[name]} ({name}), where HAProxy serves its {use}, is taken"
     return None
+
+
+def running_ingress(serve_details: dict) -> str:
+    """haproxy when Serve runs HAProxy (its proxy actors are then HAProxy managers), else proxy."""
+    import ray
+
+    for proxy in (serve_details.get("proxies") or {}).values():
+        actor = ray.get_actor(proxy["actor_name"], namespace="serve")
+        haproxy = actor._ray_actor_creation_function_descriptor.class_name == "HAProxyManager"
+        return "haproxy" if haproxy else "proxy"
+    return "proxy"
 
 
 def haproxy_env() -> dict[str, str]:

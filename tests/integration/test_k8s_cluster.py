@@ -257,3 +257,19 @@ def test_raylane_serve_redeploys_in_place_while_streams_run(deployed, tmp_path):
     models = [m.id for m in openai.OpenAI(base_url=f"{deployed.url}/v1", api_key=API_KEY).models.list()]
     assert "chat-v2" in models
     assert chat_request(deployed.url, "chat-v2").choices[0].message.content
+
+
+def test_raylane_serve_will_not_change_the_ingress_in_place(deployed, tmp_path):
+    """The ingress is fixed when Ray starts: asking a running cluster (the manifests', behind Serve's
+    proxy) for HAProxy fails at once, naming the field, and leaves the app serving."""
+    config = yaml.safe_load((REPO / "k8s" / "configs" / "cpu-demo.yaml").read_text())
+    config["http"] = {"host": "127.0.0.1", "port": deployed.http_port, "ingress": "haproxy"}
+    (tmp_path / "haproxy.yaml").write_text(yaml.safe_dump(config))
+    raylane = str(Path(sys.executable).with_name("raylane"))
+    done = subprocess.run(
+        [raylane, "serve", "--config", str(tmp_path / "haproxy.yaml")],
+        env=deployed.env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "http.ingress haproxy differs from the running cluster's proxy" in done.stderr
+    assert chat_request(deployed.url, "coding").choices[0].message.content

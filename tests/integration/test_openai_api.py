@@ -617,7 +617,7 @@ def test_raylane_serve_behind_haproxy_runs_beside_another_haproxy_ray(api_server
     own. The second one takes its API port, streams through it, and Ctrl-C leaves no HAProxy behind."""
     from ray.serve.context import _get_global_client
 
-    from bench.apps import running_ingress
+    from cluster.serve_env import running_ingress
     from tests.live_servers import free_port
 
     session_port = int(api_server.url.rsplit(":", 1)[1])
