@@ -55,9 +55,9 @@ def prepare_checkpoints(configs: list[ClusterConfig]) -> None:
 class LocalServe:
     """In-process Ray + Serve for benchmark apps (see the module docstring)."""
 
-    def __init__(self, deploy_timeout_s: float = DEPLOY_TIMEOUT_S, ingress: str = "auto"):
+    def __init__(self, deploy_timeout_s: float = DEPLOY_TIMEOUT_S, ingress: str = "proxy"):
         self.deploy_timeout_s = deploy_timeout_s
-        self.ingress = ingress  # asked for; once entered, what is in front of the apps: proxy or haproxy
+        self.ingress = ingress  # asked for; once entered, what runs in front of the apps
         self.port: int | None = None
         self.apps: list[str] = []  # the Serve apps this object deployed (deleted on exit)
         self._pending: dict[str, ClusterConfig] = {}
@@ -76,7 +76,7 @@ class LocalServe:
             raise LocalServeError(f"--ingress {self.ingress}: {why}")
         joined = os.environ.get("RAY_ADDRESS")
         if not ray.is_initialized():
-            with serve_env(self.ingress) as self.ingress:
+            with serve_env(self.ingress):
                 ray.init(
                     address=joined or "local",
                     num_cpus=None if joined else max(os.cpu_count() or 1, LOGICAL_CPUS),
@@ -99,16 +99,16 @@ class LocalServe:
     @staticmethod
     def ingress_problem(ingress: str) -> str | None:
         """Why a LocalServe cannot serve behind `ingress` here, or None: the ingress is fixed when Ray
-        starts, so a given one needs a Ray this object starts itself (`auto` takes what runs)."""
+        starts, so HAProxy needs a Ray this object starts itself."""
         import ray
 
         from cluster.serve_env import haproxy_problem
 
-        if ingress == "auto":
+        if ingress == "proxy":
             return None
         if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
             return "it needs a Ray started here, not one already running"
-        return haproxy_problem() if ingress == "haproxy" else None
+        return haproxy_problem()
 
     def add(self, name: str, config: ClusterConfig) -> None:
         """Stage `config` as app `raylane-bench-NAME` at /NAME; the next `url` or `deploy` starts it."""

@@ -250,7 +250,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="set the pool's engine.engine_core (both sides run it)",
     )
     parser.add_argument(
-        "--ingress", choices=("auto", "proxy", "haproxy"), help="set http.ingress (default: the config's)"
+        "--ingress", choices=("proxy", "haproxy"), help="set http.ingress (default: the config's)"
     )
     parser.add_argument("--out", type=Path, help="write overhead.json here")
     add_dataset_arguments(parser)

@@ -26,7 +26,7 @@ def serving_config(
     max_num_seqs: int = MAX_NUM_SEQS,
     num_kv_blocks: int = 1024,
     cpus_per_rank: float = 1.0,
-    ingress: str = "auto",
+    ingress: str = "proxy",
 ) -> ClusterConfig:
     # No keyword/regex rules: a prompt with code in it would skip the classifier, and its forward pass
     # is the cost `auto` adds that the routing benchmark is after.

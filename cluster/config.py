@@ -182,12 +182,14 @@ class HttpConfig(_Strict):
 
     host: str = Field("127.0.0.1", description="Listen address; 0.0.0.0 to accept remote clients.")
     port: int = Field(8000, ge=1, le=65535, description="Listen port.")
-    ingress: Literal["auto", "proxy", "haproxy"] = Field(
-        "auto",
-        description="haproxy: Serve's HAProxy direct ingress (Linux; the binary comes with ray[serve]) "
-        "forwards connections to the gateway replicas, which serve HTTP themselves. proxy: Serve's HTTP "
-        "proxy actor passes each request and streamed chunk on to the gateway, one Python process more "
-        "on the way. auto: haproxy where it can run, else proxy; the KubeRay manifests run proxy.",
+    ingress: Literal["proxy", "haproxy"] = Field(
+        "proxy",
+        description="proxy: Serve's HTTP proxy actor passes each request and streamed chunk on to the "
+        "gateway. haproxy: Serve's HAProxy direct ingress (Linux; the binary comes with ray[serve]) forwards "
+        "connections to the gateway replicas, which serve HTTP themselves: one Python process less per "
+        "request and chunk, but a client that leaves while waiting for a whole (non-streamed) response "
+        "no longer stops its generation (HAProxy keeps the request going). `raylane serve` only, not "
+        "the KubeRay manifests yet.",
     )
     request_timeout_s: float | None = Field(
         None, gt=0, description="End requests (streams included) running longer than this; none by default."

@@ -224,7 +224,7 @@ def overlay_files(objects: dict[str, dict], args: argparse.Namespace) -> dict[st
 
 
 def render_objects(config, args: argparse.Namespace) -> dict[str, dict]:
-    if config.http.ingress == "haproxy":  # probes and the Service would need HAProxy's ports and health
+    if config.http.ingress != "proxy":  # probes and the Service would need HAProxy's ports and health
         raise RenderError("http.ingress: the KubeRay manifests support proxy only, for now")
     name = args.name
     return {

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from deployments.app import APP_NAME, build_app
 
     status = 0
-    with serve_env(config.http.ingress) as ingress:  # a cluster joined runs what it was started with
+    with serve_env(config.http.ingress):  # a cluster joined runs what it was started with
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local", namespace="raylane")
     for signum in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a shell may start us with it ignored
         _stop_on(signum)
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         host = "127.0.0.1" if http.host in ("0.0.0.0", "::") else http.host
         models = ", ".join(p.model_id for p in config.pools)
-        front = "" if joined else f", behind Serve's {'HAProxy' if ingress == 'haproxy' else 'proxy'}"
+        front = "" if joined else f", behind Serve's {'HAProxy' if http.ingress == 'haproxy' else 'proxy'}"
         print(
             f"raylane: OpenAI API at http://{host}:{http.port}/v1 (models: {models}{front}); Ctrl-C stops it",
             flush=True,
@@ -146,7 +146,7 @@ def redeploy_in_place(config) -> int | None:
                 file=sys.stderr,
             )
             return 2
-        if config.http.ingress != "auto" and config.http.ingress != (ingress := running_ingress(details)):
+        if config.http.ingress != (ingress := running_ingress(details)):
             print(
                 f"raylane serve: http.ingress {config.http.ingress} differs from the running cluster's "
                 f"{ingress}; the ingress is fixed when Ray starts: stop it first",

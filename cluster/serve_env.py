@@ -9,15 +9,17 @@ decide much of the serving overhead (`raylane bench overhead`, bench/README.md):
   and two threads fewer competing with the engine thread for the GIL;
 - the proxy and deployment handles talk gRPC, not Ray actor calls.
 
-Direct ingress, the rest of that mode, is `http.ingress: haproxy`, which `auto` (the default) picks
-wherever it can run: an HAProxy per node forwards connections to the gateway replicas, which serve
-HTTP themselves, so the proxy actor leaves the path. Ray 2.60's HAProxy keeps its files under
-/tmp/haproxy-serve and listens on fixed stats, metrics and fallback-proxy ports, the same for every
-cluster; `haproxy_env` gives each Ray started here its own, so two clusters on one machine (a test
-session and a `raylane serve`) stay out of each other's way.
+Direct ingress, the rest of that mode, is `http.ingress: haproxy`: an HAProxy per node forwards
+connections to the gateway replicas, which serve HTTP themselves, so the proxy actor leaves the path.
+Ray 2.60's HAProxy keeps its files under /tmp/haproxy-serve and listens on fixed stats, metrics and
+fallback-proxy ports, the same for every cluster; `haproxy_env` gives each Ray started here its own,
+so two such clusters on one machine stay out of each other's way. It is not the default: HAProxy
+(2.8, `option abortonclose`) only drops requests not yet sent to a replica when their client closes,
+so a client that leaves while waiting for a whole (non-streamed) response no longer stops its
+generation; through the proxy it stops at once.
 
 The variables must be in the environment of Ray's processes: `raylane serve` and the benchmarks
-start Ray inside `serve_env()`, the KubeRay manifests set SERVE_ENV in every Ray container. The process
+start Ray inside `serve_env()`, the KubeRay manifests set them in every Ray container. The process
 that starts Ray keeps Serve's defaults, since a driver calls handles outside an event loop, which a
 handle router on the caller's loop cannot serve. A variable already set wins.
 """
@@ -65,21 +67,16 @@ HAPROXY_FILES = {
 STATE_ROOT, STATE_PREFIX = "/tmp", "rlha-"
 
 
-def resolve_ingress(ingress: str) -> str:
-    """`auto` is `haproxy` where it can run (Linux, with the binary ray[serve] bundles), else `proxy`."""
-    if ingress == "auto":
-        return "proxy" if haproxy_problem() else "haproxy"
-    return ingress
-
-
 def haproxy_problem() -> str | None:
     """Why `http.ingress: haproxy` cannot run here, or None. Serve would only retry HAProxy forever."""
     if not sys.platform.startswith("linux"):
         return "Serve's HAProxy ingress runs on Linux only"
     try:
-        from ray.serve._private.haproxy import get_haproxy_binary
+        # Serve's own lookup (RAY_SERVE_HAPROXY_BINARY_PATH, the bundled binary, then PATH), without
+        # the log line its public twin writes on every call.
+        from ray.serve._private.haproxy import _resolve_haproxy_binary
 
-        get_haproxy_binary()
+        _resolve_haproxy_binary()
     except (ImportError, FileNotFoundError) as e:
         return f"no HAProxy binary ({e})"
     for name, use in HAPROXY_PORTS.items():  # ports set by hand: the ones raylane picks are free
@@ -141,17 +138,15 @@ def _remove_stale_state(min_age_s: float = 600.0) -> None:
 
 
 @contextmanager
-def serve_env(ingress: str = "auto") -> Iterator[str]:
-    """Start Ray inside this: the processes it starts inherit raylane's Serve settings. Yields the
-    ingress they run (`auto` resolved)."""
+def serve_env(ingress: str = "proxy") -> Iterator[None]:
+    """Start Ray inside this: the processes it starts inherit raylane's Serve settings."""
     import ray.serve._private.constants  # noqa: F401  (read now: this process keeps the defaults)
 
-    ingress = resolve_ingress(ingress)
     settings = SERVE_ENV | (haproxy_env() if ingress == "haproxy" else {})
     added = {name: value for name, value in settings.items() if name not in os.environ}
     os.environ.update(added)
     try:
-        yield ingress
+        yield
     finally:
         for name in added:
             os.environ.pop(name, None)

@@ -563,8 +563,7 @@ def test_raylane_serve_runs_the_embedded_default_until_ctrl_c(demo_models):
         banner = next(line for line in lines if "OpenAI API at" in line)
         url = banner.split(" at ", 1)[1].split()[0]
         assert url == f"http://127.0.0.1:{port}/v1"
-        if sys.platform.startswith("linux"):  # http.ingress: auto is Serve's HAProxy here
-            assert "behind Serve's HAProxy" in banner
+        assert "behind Serve's proxy" in banner  # http.ingress: proxy, the default
         client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list()] == ["coding", "reasoning", "chat", "all-MiniLM-L6-v2"]
         r = client.chat.completions.create(model="reasoning", messages=HELLO, max_tokens=4)
@@ -611,51 +610,52 @@ def test_raylane_serve_runs_the_embedded_default_until_ctrl_c(demo_models):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Serve's HAProxy ingress is Linux-only")
-def test_raylane_serve_behind_haproxy_runs_beside_another_haproxy_ray(api_server, demo_models, tmp_path):
-    """Two Rays on one machine, each behind its own HAProxy (this test session's and a `raylane
-    serve`): Ray's HAProxy files and ports are the same for every cluster unless raylane gives each its
-    own. The second one takes its API port, streams through it, and Ctrl-C leaves no HAProxy behind."""
-    from ray.serve.context import _get_global_client
-
-    from cluster.serve_env import running_ingress
+def test_two_raylane_serves_behind_haproxy_run_side_by_side(demo_models, tmp_path):
+    """`http.ingress: haproxy`: Serve's HAProxy takes the port and forwards to the gateway replica.
+    Two such clusters on one machine each get their own HAProxy files and ports (Ray's defaults are
+    the same for every cluster), both stream through their own port, and Ctrl-C leaves nothing."""
     from tests.live_servers import free_port
 
-    session_port = int(api_server.url.rsplit(":", 1)[1])
-    assert running_ingress(_get_global_client().get_serve_details()) == "haproxy"
-    port = free_port()
-    config = tmp_path / "haproxy.yaml"
-    config.write_text(
-        f"http: {{port: {port}, ingress: haproxy}}\n"
-        "embeddings: {enabled: false}\n"
-        "pools: [{name: chat, model: 'demo:raylane-llama-tiny', engine: {num_kv_blocks: 128}}]\n"
-    )
-    proc, _, reader = start_raylane_serve(demo_models, "--config", str(config))
+    servers = []
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
-        chunks = list(
-            client.chat.completions.create(
-                model="chat",
-                messages=HELLO,
-                max_tokens=16,
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True},
+        for name in ("a", "b"):
+            port = free_port()
+            config = tmp_path / f"{name}.yaml"
+            config.write_text(
+                f"http: {{port: {port}, ingress: haproxy}}\n"
+                "embeddings: {enabled: false}\n"
+                "pools: [{name: chat, model: 'demo:raylane-llama-tiny', engine: {num_kv_blocks: 128}}]\n"
             )
-        )
-        assert chunks[-1].usage.completion_tokens == 16
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)  # streamed text
-        started = descendants(proc.pid)
-        haproxies = [p for p in started if b"haproxy" in Path(f"/proc/{p}/cmdline").read_bytes()]
-        ports = listening_ports(haproxies)
-        assert port in ports  # HAProxy, not Serve's proxy actor, holds the API port
-        assert session_port not in ports  # the session's own HAProxy still has its own
-        assert openai.OpenAI(base_url=api_server.base_url, api_key="x", max_retries=0).models.list().data
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) == 0
-        assert wait_for(lambda: not [p for p in started if alive(p)], timeout=15)
+            proc, lines, reader = start_raylane_serve(demo_models, "--config", str(config))
+            servers.append((port, proc, reader))
+            assert "behind Serve's HAProxy" in next(line for line in lines if "OpenAI API at" in line)
+        for port, proc, _ in servers:
+            url = f"http://127.0.0.1:{port}/v1"
+            client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
+            chunks = list(
+                client.chat.completions.create(
+                    model="chat",
+                    messages=HELLO,
+                    max_tokens=16,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True},
+                )
+            )
+            assert chunks[-1].usage.completion_tokens == 16
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)  # streamed text
+            started = descendants(proc.pid)
+            haproxies = [p for p in started if b"haproxy" in Path(f"/proc/{p}/cmdline").read_bytes()]
+            assert port in listening_ports(haproxies)  # HAProxy, not Serve's proxy actor, holds the API port
+        for _, proc, _ in servers:
+            started = descendants(proc.pid)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=120) == 0
+            assert wait_for(lambda: not [p for p in started if alive(p)], timeout=15)  # noqa: B023
     finally:
-        stop_raylane_serve(proc)
-    reader.join(timeout=5)
+        for _, proc, reader in servers:
+            stop_raylane_serve(proc)
+            reader.join(timeout=5)
 
 
 def listening_ports(pids: list[int]) -> set[int]:

@@ -127,25 +127,21 @@ def overhead_part(ttft: float, e2e: float, ingress: str) -> dict:
     }
 
 
-def test_the_overhead_behind_the_other_ingress_is_reported_beside_the_default_one():
+def test_the_overhead_behind_haproxy_is_reported_beside_the_proxy_one():
     both = report(sweep=[(1, 100.0), (2, 180.0)], gain=7.0)
-    both["parts"]["overhead"] = overhead_part(8.0, 12.5, "haproxy") | {
-        "other_ingress": overhead_part(10.5, 21.0, "proxy")
+    both["parts"]["overhead"] = overhead_part(10.5, 21.0, "proxy") | {
+        "other_ingress": overhead_part(8.0, 12.5, "haproxy")
     }
     summary = summary_markdown(both)
     assert (
-        "| serving overhead over the engine, p50, concurrency 1 (HAProxy) | <= 15 ms | TTFT +8.0 ms, "
-        "E2E +12.5 ms | met |" in summary
+        "| serving overhead over the engine, p50, concurrency 1 (proxy) | <= 15 ms | TTFT +10.5 ms, "
+        "E2E +21.0 ms | **NOT met** |" in summary
     )
-    assert (
-        "| the same, `http.ingress: proxy` | <= 15 ms | TTFT +10.5 ms, E2E +21.0 ms | **NOT met** |"
-        in summary
-    )
+    assert "| the same, `http.ingress: haproxy` | <= 15 ms | TTFT +8.0 ms, E2E +12.5 ms | met |" in summary
     full = full_markdown(both)
     assert "| E2E HTTP: HAProxy, gateway, pool" in full and "| E2E HTTP: proxy, gateway, pool" in full
-    assert (
-        "serving adds **10.5 ms** to TTFT p50 and **21.0 ms** to E2E p50 (goal <= 15 ms: **NOT met**)" in full
-    )
-    assert "behind `http.ingress: proxy` (Serve's proxy actor passes" in full
-    both["parts"]["overhead"]["other_ingress"] = {"error": "LocalServeError: Ray did not start"}
+    assert "serving adds **8.0 ms** to TTFT p50 and **12.5 ms** to E2E p50 (goal <= 15 ms: met)" in full
+    assert "behind `http.ingress: haproxy` (Serve's HAProxy direct ingress" in full
+    failed = {"error": "LocalServeError: --ingress haproxy: no HAProxy binary"}
+    both["parts"]["overhead"]["other_ingress"] = failed
     assert "Behind the other `http.ingress`: failed (LocalServeError" in full_markdown(both)
