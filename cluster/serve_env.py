@@ -24,6 +24,7 @@ that starts Ray keeps Serve's defaults, since a driver calls handles outside an 
 handle router on the caller's loop cannot serve. A variable already set wins.
 """
 
+import contextlib
 import glob
 import os
 import shutil
@@ -126,15 +127,26 @@ def _pick_port() -> int:
 
 
 def _remove_stale_state(min_age_s: float = 600.0) -> None:
-    """Drop the files of HAProxies that are gone (nothing listens on the admin socket any more)."""
+    """Drop the folders of HAProxies that are gone: nothing listens on an admin socket in them (each
+    node's HAProxy keeps its own in a subfolder)."""
     for state in glob.glob(os.path.join(STATE_ROOT, STATE_PREFIX + "*")):
-        try:
+        with contextlib.suppress(OSError):
             if time.time() - os.path.getmtime(state) < min_age_s:  # perhaps a Ray starting right now
                 continue
-            with socket.socket(socket.AF_UNIX) as s:
-                s.connect(os.path.join(state, HAPROXY_FILES["RAY_SERVE_HAPROXY_SOCKET_PATH"]))
-        except OSError:
+        sockets = glob.glob(
+            os.path.join(state, "**", HAPROXY_FILES["RAY_SERVE_HAPROXY_SOCKET_PATH"]), recursive=True
+        )
+        if not any(_listening(path) for path in sockets):
             shutil.rmtree(state, ignore_errors=True)
+
+
+def _listening(unix_socket: str) -> bool:
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(unix_socket)
+        except OSError:
+            return False
+    return True
 
 
 @contextmanager

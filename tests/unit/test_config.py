@@ -209,3 +209,29 @@ def test_serve_command_overrides_host_and_port(tmp_path):
     args = argparse.Namespace(config=str(path), host="0.0.0.0", port=None)
     config = load_config(args)
     assert (config.http.host, config.http.port, [p.name for p in config.pools]) == ("0.0.0.0", 9000, ["chat"])
+
+
+def test_haproxy_folders_of_stopped_clusters_are_removed_and_running_ones_kept(tmp_path, monkeypatch):
+    """Each Ray behind HAProxy gets a folder of its own; a later start clears those whose HAProxy is
+    gone, never one whose admin socket (in its node's subfolder) still answers."""
+    import os
+    import socket
+
+    from cluster import serve_env
+
+    monkeypatch.setattr(serve_env, "STATE_ROOT", str(tmp_path))
+    live, dead = tmp_path / "rlha-live" / "node", tmp_path / "rlha-dead" / "node"
+    live.mkdir(parents=True)
+    dead.mkdir(parents=True)
+    with socket.socket(socket.AF_UNIX) as listener, socket.socket(socket.AF_UNIX) as closed:
+        listener.bind(str(live / "admin.sock"))
+        listener.listen()
+        closed.bind(str(dead / "admin.sock"))  # bound, never listening: its HAProxy is gone
+        for folder in (live.parent, dead.parent):
+            os.utime(folder, (0, 0))  # older than a Ray that is starting right now
+        env = serve_env.haproxy_env()
+        assert live.parent.exists() and not dead.parent.exists()
+    mine = env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"]
+    assert os.path.dirname(mine) == str(tmp_path) and os.path.isdir(mine)
+    assert env["RAY_SERVE_HAPROXY_SOCKET_PATH"].startswith(mine)
+    assert len({env[name] for name in serve_env.HAPROXY_PORTS}) == len(serve_env.HAPROXY_PORTS)
