@@ -13,12 +13,12 @@ Ray (and Serve apps) already running, a test session's for instance, are left as
 """
 
 import os
-import socket
 import sys
 import time
 from types import TracebackType
 
 from cluster.config import ClusterConfig
+from cluster.serve_env import free_port
 
 APP_PREFIX = "raylane-bench-"
 DEPLOY_TIMEOUT_S = 600.0  # loading checkpoints and the router's classifier on two busy cores
@@ -30,12 +30,6 @@ LOGICAL_CPUS = 16
 
 class LocalServeError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prepare_checkpoints(configs: list[ClusterConfig]) -> None:

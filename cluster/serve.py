@@ -50,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"raylane serve: {e}", file=sys.stderr)
         return 2
+    from cluster.serve_env import port_problem
+
     joined = bool(os.environ.get("RAY_ADDRESS"))
     problem = None if joined else port_problem(config.http.host, config.http.port)
     if joined or problem:  # perhaps our own app is already there: update it in place
@@ -172,19 +174,6 @@ def missing_checkpoints(config) -> list[str]:
         for i, p in enumerate(config.pools)
         if p.demo_model is None and not os.path.isfile(os.path.join(p.model_path(), "config.json"))
     ]
-
-
-def port_problem(host: str, port: int) -> str | None:
-    """Why the HTTP proxy could not bind, found before starting anything (Serve would only retry)."""
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
-    except OSError as e:
-        return e.strerror or str(e)
-    return None
 
 
 def _stop_on(signum: int) -> None:

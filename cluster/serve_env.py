@@ -81,8 +81,8 @@ def haproxy_problem() -> str | None:
     except (ImportError, FileNotFoundError) as e:
         return f"no HAProxy binary ({e})"
     for name, use in HAPROXY_PORTS.items():  # ports set by hand: the ones raylane picks are free
-        if name in os.environ and not _free(int(os.environ[name])):
-            return f"port {os.environ[name]} ({name}), where HAProxy serves its {use}, is taken"
+        if name in os.environ and (why := port_problem("0.0.0.0", int(os.environ[name]))):
+            return f"port {os.environ[name]} ({name}), where HAProxy serves its {use}: {why}"
     return None
 
 
@@ -106,24 +106,27 @@ def haproxy_env() -> dict[str, str]:
         HAPROXY_ENV
         | files
         | {"RAY_SERVE_HAPROXY_SERVER_STATE_BASE": state}
-        | {name: str(_pick_port()) for name in HAPROXY_PORTS}
+        | {name: str(free_port()) for name in HAPROXY_PORTS}
     )
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
-
-
-def _pick_port() -> int:
+def free_port() -> int:
+    """A TCP port free on every interface (so on the loopback too)."""
     with socket.socket() as s:
         s.bind(("0.0.0.0", 0))
         return s.getsockname()[1]
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why a listener could not bind `host:port`, found before starting anything (Serve would only
+    retry), or None."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def _remove_stale_state(min_age_s: float = 600.0) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench import apps
-from bench.apps import free_port  # noqa: F401  (the tests' import of it)
+from cluster.serve_env import free_port  # noqa: F401  (the tests' import of it)
 
 
 @dataclass

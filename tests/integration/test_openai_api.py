@@ -644,14 +644,14 @@ def test_two_raylane_serves_behind_haproxy_run_side_by_side(demo_models, tmp_pat
             )
             assert chunks[-1].usage.completion_tokens == 16
             assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)  # streamed text
-            started = descendants(proc.pid)
-            haproxies = [p for p in started if b"haproxy" in Path(f"/proc/{p}/cmdline").read_bytes()]
+            children = descendants(proc.pid)
+            haproxies = [p for p in children if b"haproxy" in Path(f"/proc/{p}/cmdline").read_bytes()]
             assert port in listening_ports(haproxies)  # HAProxy, not Serve's proxy actor, holds the API port
+        started = set().union(*(descendants(proc.pid) for _, proc, _ in servers))
         for _, proc, _ in servers:
-            started = descendants(proc.pid)
             proc.send_signal(signal.SIGINT)
-            assert proc.wait(timeout=120) == 0
-            assert wait_for(lambda: not [p for p in started if alive(p)], timeout=15)  # noqa: B023
+        assert [proc.wait(timeout=120) for _, proc, _ in servers] == [0, 0]
+        assert wait_for(lambda: not [p for p in started if alive(p)], timeout=15)
     finally:
         for _, proc, reader in servers:
             stop_raylane_serve(proc)
