@@ -43,7 +43,7 @@ from deployments.errors import (
     model_not_found,
     unavailable,
 )
-from deployments.metrics import RequestSummary, render_cluster_metrics
+from deployments.metrics import FinalItem, RequestSummary, render_cluster_metrics
 from deployments.openai_schemas import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -142,24 +142,41 @@ def sse_error(error: OpenAIError) -> str:
     return f"data: {json.dumps(error.to_dict())}\n\n"
 
 
-async def relay(first: str, call, slot: Slot | None = None, on_done=None):
+async def relay(first: str | FinalItem, call, slot: Slot | None = None, on_done=None):
     """Relay a pool's SSE events; a failure mid-stream becomes an error event (the SDK raises it).
-    The pool's slot is released when the stream ends; `on_done(tokens)` then counts usage: the
-    pool's summary when it came (an event may carry several tokens), else the events relayed."""
+    The response ends with the pool's `FinalItem` (the rest of the pool's stream is read in the
+    background). The pool's slot is released when the stream ends; `on_done(tokens)` then counts
+    usage: the pool's summary when it came (an event may carry several tokens), else the events
+    relayed."""
     finished, failed, events, tokens = False, False, 0, None
+
+    def summarized(summary: RequestSummary | None) -> None:
+        nonlocal tokens
+        if summary is not None:
+            note_summary(summary)
+            tokens = summary.prompt_tokens + summary.completion_tokens
+
     try:
-        yield first
-        async for chunk in call:
-            if isinstance(chunk, RequestSummary):  # the pool's closing summary, for the request log
-                note_summary(chunk)
-                tokens = chunk.prompt_tokens + chunk.completion_tokens
-                continue
-            if not isinstance(chunk, str):
-                failed, chunk = True, sse_error(pool_failure(chunk))
-            elif chunk.startswith('data: {"error"'):
-                failed = True
+        chunk = first
+        if not isinstance(first, FinalItem):
+            yield first
+            async for chunk in call:
+                if isinstance(chunk, FinalItem):
+                    break
+                if isinstance(chunk, RequestSummary):  # after a stream that failed in the engine
+                    summarized(chunk)
+                    continue
+                if not isinstance(chunk, str):
+                    failed, chunk = True, sse_error(pool_failure(chunk))
+                elif chunk.startswith('data: {"error"'):
+                    failed = True
+                events += 1
+                yield chunk
+        if isinstance(chunk, FinalItem):
+            summarized(chunk.summary)
             events += 1
-            yield chunk
+            yield chunk.item
+            drain_later(call)
         finished = True
     except asyncio.CancelledError:
         raise
@@ -173,6 +190,25 @@ async def relay(first: str, call, slot: Slot | None = None, on_done=None):
             slot.failed() if failed else slot.succeeded()
         if on_done is not None:
             on_done(events if tokens is None else tokens)
+
+
+_draining: set[asyncio.Task] = set()
+
+
+def drain_later(call) -> None:
+    """Read what is left of a pool call (its end) in the background, so that Serve sees the call
+    finish: an unread stream would count as a request still running on the replica."""
+
+    async def drain() -> None:
+        try:
+            async for _ in call:
+                pass
+        except Exception:  # the response is out already; nothing to tell anyone
+            pass
+
+    task = asyncio.get_running_loop().create_task(drain())
+    _draining.add(task)
+    task.add_done_callback(_draining.discard)
 
 
 async def parse_body(request: Request, model: type[BaseModel], max_bytes: int) -> Any:
@@ -402,7 +438,13 @@ class Gateway:
                 slot.succeeded()
                 return error_response(first, headers)
             if not streaming:
-                await note_trailing_summary(call)
+                if isinstance(first, FinalItem):
+                    if first.summary is not None:
+                        note_summary(first.summary)
+                    drain_later(call)
+                    first = first.item
+                else:
+                    await note_trailing_summary(call)
                 slot.succeeded()
                 self.router.record_usage(principal, _total_tokens(first))
                 return Response(first, media_type="application/json", headers=headers)

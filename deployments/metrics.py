@@ -26,6 +26,7 @@ KV use by pool.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -215,6 +216,16 @@ class RequestSummary:
         )
 
 
+@dataclass(slots=True)
+class FinalItem:
+    """A response's last item (a whole JSON body, or the SSE events ending in `[DONE]`) with its
+    request's summary. The gateway ends the HTTP response on it: waiting for a separate summary and
+    for the end of the pool's stream would add two messages to every request's latency."""
+
+    item: str
+    summary: RequestSummary | None = None
+
+
 class RequestTracker:
     """Watches one engine request's outputs and records it in `PoolMetrics`."""
 
@@ -253,6 +264,17 @@ class RequestTracker:
             self.last_token_at = now
         if out.finished:
             self._finish(out.metrics.get("e2e_latency"))
+
+    def observe_abort(self, out) -> None:
+        """The engine's last output of a request its caller left. A request that had no output yet
+        (a whole response, or one still in its prefill) is counted from here; its prompt only if it
+        had begun generating (so its prefill was done)."""
+        if self.done:
+            return
+        if self.prompt_tokens is None and not any(comp.token_ids for comp in out.outputs):
+            self.prompt_tokens = 0  # nothing prefilled that we know of
+        self.observe(dataclasses.replace(out, finished=False))  # an abort has no end-to-end latency
+        self.close("abort")
 
     def close(self, reason: str = "abort") -> None:
         """The stream ended without a finished output (client gone, engine failure)."""
@@ -298,7 +320,10 @@ class MeteredLLM:
         tracker = RequestTracker(self._metrics, request_id, delta)
         reason = "abort"
         try:
-            async with aclosing(self._llm.generate(prompt, sampling_params, request_id, **kwargs)) as gen:
+            outputs = self._llm.generate(
+                prompt, sampling_params, request_id, on_abort=tracker.observe_abort, **kwargs
+            )
+            async with aclosing(outputs) as gen:
                 async for out in gen:
                     tracker.observe(out)
                     yield out

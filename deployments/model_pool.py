@@ -16,10 +16,17 @@ from contextlib import aclosing
 
 from cluster.config import PoolConfig
 from deployments.errors import OpenAIError
-from deployments.metrics import MeteredLLM, MetricsReporter, PoolMetrics, RequestSummary, engine_stats
+from deployments.metrics import (
+    FinalItem,
+    MeteredLLM,
+    MetricsReporter,
+    PoolMetrics,
+    RequestSummary,
+    engine_stats,
+)
 from deployments.openai_schemas import ChatCompletionRequest, CompletionRequest
 from deployments.sampling import ToolPlan
-from deployments.serving import OpenAIServing
+from deployments.serving import DONE, OpenAIServing
 from engine import AsyncLLM, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -48,28 +55,33 @@ class ModelPool:
         plan: ToolPlan,
         request_id: str,
         priority: int = 0,
-    ) -> AsyncIterator[str | OpenAIError | RequestSummary]:
+    ) -> AsyncIterator[str | OpenAIError | FinalItem | RequestSummary]:
         """`priority` is the caller's tier's (lower is served first); the engine schedules by it.
-        After the response, a `RequestSummary` (tokens, TTFT, finish reason) for the request log."""
+        The response's last item comes as a `FinalItem` with the request's `RequestSummary` (tokens,
+        TTFT, finish reason) for the request log."""
         async for item in self._summarized(
-            self.serving.chat(request, params, plan, request_id, priority), request_id
+            self.serving.chat(request, params, plan, request_id, priority), request_id, bool(request.stream)
         ):
             yield item
 
     async def completions(
         self, request: CompletionRequest, params: SamplingParams, request_id: str, priority: int = 0
-    ) -> AsyncIterator[str | OpenAIError | RequestSummary]:
+    ) -> AsyncIterator[str | OpenAIError | FinalItem | RequestSummary]:
         async for item in self._summarized(
-            self.serving.completion(request, params, request_id, priority), request_id
+            self.serving.completion(request, params, request_id, priority), request_id, bool(request.stream)
         ):
             yield item
 
-    async def _summarized(self, items: AsyncIterator, request_id: str) -> AsyncIterator:
+    async def _summarized(self, items: AsyncIterator, request_id: str, streaming: bool) -> AsyncIterator:
         self.reporter.start()
         try:
             async with aclosing(items):  # leaving early aborts the engine request at once
                 async for item in items:
+                    if isinstance(item, str) and (not streaming or item.endswith(DONE)):
+                        # The engine request has finished, so its summary is recorded.
+                        item = FinalItem(item, self.metrics.pop_summary(request_id))
                     yield item
+            # A stream the engine's failure ended (an error event, no [DONE]): what it generated.
             if (summary := self.metrics.pop_summary(request_id)) is not None:
                 yield summary
         finally:

@@ -16,7 +16,7 @@ import itertools
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -90,9 +90,12 @@ class AsyncLLM:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        on_abort: Callable[[RequestOutput], None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as tokens arrive; the last one has `finished=True`. Leaving the loop
-        early (a client disconnect, a cancelled task) aborts the request and frees its blocks."""
+        early (a client disconnect, a cancelled task) aborts the request and frees its blocks;
+        `on_abort` then gets the engine's last output of it (what `abort` returns), which the
+        caller would otherwise never see."""
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
@@ -130,14 +133,19 @@ class AsyncLLM:
             raise failure
         finally:
             if not finished:
-                await asyncio.shield(self.abort(request_id))
+                last = await asyncio.shield(self.abort(request_id))
+                if last is not None and on_abort is not None:
+                    on_abort(last)
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a request; returns once its KV blocks are free (at once if the engine is dead)."""
+    async def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a request; returns once its KV blocks are free (at once if the engine is dead), with
+        its last output (finish reason "abort"; only what its stream has not had yet for DELTA
+        requests), or None when the engine no longer knew the request."""
         try:
-            await self._call("abort", request_id)
+            return await self._call("abort", request_id)
         except EngineDeadError:
             self._streams.pop(request_id, None)
+            return None
 
     async def run_in_engine(self, fn):
         """Run `fn(engine)` on the engine core between steps (for stats and tests). With a core
@@ -193,7 +201,7 @@ class AsyncLLM:
                 stream = self._streams.pop(request_id, None)
                 if stream is not None and out is not None:
                     deliveries.setdefault(stream.loop, []).append((stream.queue, out))
-                self._resolve(token, None, None)
+                self._resolve(token, out, None)
             elif kind == "result":
                 self._resolve(*event[1:])
             elif kind == "dead":

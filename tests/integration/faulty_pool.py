@@ -8,7 +8,8 @@ from deployments.model_pool import ModelPool
 class FaultyPool(ModelPool):
     """fault None: a normal pool; "hold": requests wait (holding their gateway slot) until the fault
     is cleared; "error": requests fail before their first item; "down": stats fail too, as a pool
-    without a live replica looks to the gateway."""
+    without a live replica looks to the gateway; "linger": after its last item a request's stream
+    stays open until the fault is cleared."""
 
     fault: str | None = None
 
@@ -21,15 +22,21 @@ class FaultyPool(ModelPool):
         if self.fault in ("error", "down"):
             raise RuntimeError(f"injected fault: {self.fault}")
 
+    async def _linger(self) -> None:
+        while self.fault == "linger":
+            await asyncio.sleep(0.05)
+
     async def chat(self, *args, **kwargs):
         await self._gate()
         async for item in super().chat(*args, **kwargs):
             yield item
+        await self._linger()
 
     async def completions(self, *args, **kwargs):
         await self._gate()
         async for item in super().completions(*args, **kwargs):
             yield item
+        await self._linger()
 
     async def stats(self) -> dict:
         if self.fault == "down":

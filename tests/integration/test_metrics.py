@@ -179,6 +179,32 @@ def test_errors_are_counted_by_status_code(api_server, client):
     wait_for(counted, "the 404 in /metrics")
 
 
+def test_a_whole_response_its_client_left_is_counted_as_aborted(api_server):
+    """A non-streamed request has no output before its last, so the pool only learns what it made
+    from the engine's abort. Counted as one `abort` with the tokens it generated, not as finished."""
+    body = {
+        "model": "chat",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2000,
+        "ignore_eos": True,
+    }
+    labels = {"pool": "chat"}
+    before = scrape(api_server.url)
+    with pytest.raises(httpx2.TimeoutException):
+        httpx2.post(f"{api_server.base_url}/chat/completions", json=body, timeout=1.0)
+
+    def delta(samples, name, **more):
+        return value(samples, name, **labels, **more) - value(before, name, **labels, **more)
+
+    def counted():
+        after = scrape(api_server.url)
+        return delta(after, "raylane_request_success_total", finished_reason="abort") == 1 and after
+
+    after = wait_for(counted, "the aborted request in /metrics")
+    assert 0 < delta(after, "raylane_generation_tokens_total") < 2000
+    assert delta(after, "raylane_request_success_total") == 1  # and not also as finished ("length")
+
+
 def test_request_log_line_has_the_fields_and_never_the_prompt(api_server):
     import ray
 

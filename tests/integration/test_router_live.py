@@ -6,6 +6,7 @@ The app is `router_server` (tests/live_servers.py): pools `coding` -> chat, `rea
 sheddable with no queue). No test asserts a duration: waits poll the gateway's /health.
 """
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -172,3 +173,28 @@ def test_a_prompt_too_long_for_a_pool_goes_to_one_with_a_longer_context(server):
     short = chat(server, "reasoning", max_tokens=2)
     assert short.status_code == 200, short.text
     assert short.headers["x-raylane-pool"] == "reasoning" and "x-raylane-fallback" not in short.headers
+
+
+def test_a_response_ends_with_the_pools_last_item(server):
+    """The gateway ends a response on the pool's last item (a stream's [DONE] event, a whole JSON
+    body), not when the pool's stream closes after it. Here the pool holds each stream open until
+    the fault is cleared: a client that reads the body to its end (curl, httpx, the async `openai`
+    client) would wait for that close."""
+    body = {"model": "coding", "messages": HI, "max_tokens": 6, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {ROUTER_KEYS['premium']}"}
+    url = f"{server.base_url}/chat/completions"
+    stream_body = body | {"stream": True, "stream_options": {"include_usage": True}}
+    server.set_fault("coding", "linger")
+    try:
+        streamed = httpx2.post(url, json=stream_body, headers=headers, timeout=30)
+        whole = httpx2.post(url, json=body, headers=headers, timeout=30)
+        in_flight = load(server, "coding")["in_flight"]
+    finally:
+        server.set_fault("coding", None)
+    assert streamed.status_code == 200 and whole.status_code == 200, (streamed.text, whole.text)
+    events = [line[len("data: ") :] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 6
+    assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
+    assert whole.json()["usage"]["completion_tokens"] == 6
+    assert in_flight == 0  # the pool's slots came back with the responses

@@ -109,22 +109,29 @@ async def test_abort_frees_kv_blocks_at_once(llama, engine_core):
         seen = len(out.outputs[0].token_ids)
         if seen >= 3:
             assert await engine.run_in_engine(free_blocks) < 32
-            await engine.abort("victim")
+            last = await engine.abort("victim")  # what it made, for the caller's accounting
             break
     free = await engine.run_in_engine(free_blocks)
     running = await engine.run_in_engine(unfinished_requests)
+    again = await engine.abort("victim")
     engine.shutdown()
     assert 3 <= seen < 200 and free == 32 and running == 0
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    assert seen <= len(last.outputs[0].token_ids) < 200
+    assert again is None  # the engine no longer knows it
 
 
 async def test_client_leaving_the_stream_aborts_the_request(llama, engine_core):
     engine = AsyncLLM(model=llama, num_kv_blocks=32, engine_core=engine_core)
-    gen = engine.generate(random_prompt(10, 6), greedy(200), request_id="gone")
+    aborted = []
+    gen = engine.generate(random_prompt(10, 6), greedy(200), request_id="gone", on_abort=aborted.append)
     async for _ in gen:
         break
     await gen.aclose()  # what a disconnect does to the serving task
     assert await engine.run_in_engine(free_blocks) == 32
     engine.shutdown()
+    [last] = aborted  # the caller hears what the request made before it stopped
+    assert last.outputs[0].finish_reason == "abort" and 1 <= len(last.outputs[0].token_ids) < 200
 
 
 async def test_a_consumer_that_falls_behind_gets_the_piled_up_deltas_as_one(llama):
