@@ -33,7 +33,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
-from contextlib import aclosing, suppress
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -428,7 +428,6 @@ class MetricsReporter:
         self.sent: dict[Key, float] = {}  # cumulative values covered by reports sent
         self.pending: tuple[int, dict[Key, float]] | None = None
         self.seq = 0
-        self.wake = asyncio.Event()
         self.handle = None
         self.task: asyncio.Task | None = None
         self.lock: asyncio.Lock | None = None
@@ -439,21 +438,16 @@ class MetricsReporter:
             self.lock = asyncio.Lock()
             self.task = asyncio.get_running_loop().create_task(self._loop())
 
-    def poke(self) -> None:
-        """Report soon (a request finished)."""
-        self.wake.set()
-
     async def _loop(self) -> None:
+        # On a timer, not after each request: a report then would take its CPU (and, for a pool, an
+        # engine stats call) from the next request, which at concurrency 1 is starting just then.
         while True:
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), self.interval_s)
-            self.wake.clear()
+            await asyncio.sleep(self.interval_s)
             try:
                 await self.report()
             except Exception as e:  # the aggregator restarting: keep the increments, try again
                 logger.debug("metrics report failed: %r", e)
                 self.handle = None
-            await asyncio.sleep(0.1)
 
     async def report(self) -> None:
         if self.lock is None:
@@ -571,7 +565,6 @@ def gateway_metrics() -> GatewayMetrics:
     metrics, reporter = _gateway
     if reporter.task is None and _ray_ready():
         reporter.start()
-    reporter.poke()
     return metrics
 
 

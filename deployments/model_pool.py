@@ -86,7 +86,6 @@ class ModelPool:
                 yield summary
         finally:
             self.metrics.pop_summary(request_id)  # the client left early: forget it
-            self.reporter.poke()
 
     async def _gauges(self) -> tuple[dict, dict]:
         """Engine state for the metrics reporter (the counters stay as they were if the engine died)."""
