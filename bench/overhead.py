@@ -8,7 +8,9 @@ prompt rendered and the sampling parameters made by the same code the pool uses
 (HTTP first for even i, the engine first for odd i), so a slow spell of the machine hits both sides.
 
 TTFT is request sent -> first generated text (an SSE chunk with content; an engine output with
-text); E2E is request sent -> the end of the stream. The overhead is the difference of the p50s.
+text); E2E is request sent -> the end of the stream (the HTTP body's end, which the async `openai`
+client reads to); the tail is the last text -> the end of the stream. The overhead is the
+difference of the p50s.
 Goal: <= 15 ms at p50. The in-process engine gets as many torch threads as Ray gives the replica
 (Ray sets OMP_NUM_THREADS from the actor's CPUs), so both run the model alike; greedy outputs of the
 two sides are compared as a check that they did the same work.
@@ -42,6 +44,7 @@ class Sample:
 
     ttft: float | None = None
     e2e: float | None = None
+    last_text: float | None = None
     text: str = ""
     output_tokens: int = 0
     error: str | None = None
@@ -111,8 +114,9 @@ class InProcessEngine:
         texts: list[str] = []
         async for out in self.llm.generate(prompt, params):
             completion = out.outputs[0]
-            if completion.text and sample.ttft is None:
-                sample.ttft = time.perf_counter() - sent
+            if completion.text:
+                sample.last_text = time.perf_counter() - sent
+                sample.ttft = sample.ttft or sample.last_text
             texts.append(completion.text)
             sample.output_tokens += len(completion.token_ids)
         sample.e2e = time.perf_counter() - sent
@@ -138,8 +142,8 @@ async def send_http(client, model: str, request: BenchRequest) -> Sample:
                 sample.output_tokens = chunk.usage.completion_tokens
             for choice in chunk.choices:
                 if choice.delta and choice.delta.content:
-                    if sample.ttft is None:
-                        sample.ttft = time.perf_counter() - sent
+                    sample.last_text = time.perf_counter() - sent
+                    sample.ttft = sample.ttft or sample.last_text
                     texts.append(choice.delta.content)
         sample.e2e = time.perf_counter() - sent
     except openai.APIError as e:
@@ -199,6 +203,11 @@ def summarize(pairs: list[Pair], ingress: str = "proxy") -> dict[str, Any]:
             "overhead_p50_ms": sides["http"]["p50"] - sides["engine"]["p50"],
             "paired_difference_p50_ms": percentile(paired, 50),
         }
+    result["tail"] = {
+        side: {"p50": percentile(tails, 50)}
+        for side in ("http", "engine")
+        if (tails := [(s.e2e - s.last_text) * 1e3 for p in ok if (s := getattr(p, side)).e2e and s.last_text])
+    }
     result["goal_ms"] = GOAL_MS
     result["goal_met"] = all(result[m]["overhead_p50_ms"] <= GOAL_MS for m in ("ttft", "e2e"))
     return result
@@ -212,6 +221,9 @@ def table_rows(summary: dict[str, Any]) -> list[list[str]]:
         for side, label in (("engine", "engine in-process"), ("http", f"HTTP: {front}, gateway, pool")):
             rows.append([f"{metric.upper()} {label}", f"{s[side]['p50']:.1f}", f"{s[side]['p99']:.1f}"])
         rows.append([f"{metric.upper()} added by serving", f"{s['overhead_p50_ms']:+.1f}", ""])
+    for side, label in (("engine", "engine in-process"), ("http", f"HTTP: {front}, gateway, pool")):
+        if side in summary.get("tail", {}):
+            rows.append([f"last text to end of response, {label}", f"{summary['tail'][side]['p50']:.1f}", ""])
     return rows
 
 

@@ -12,7 +12,7 @@ counters. Gateway replicas count HTTP requests and the router's decisions, fallb
 (`GatewayMetrics.observe`, from each finished request's `RequestRecord`).
 
 **Aggregation.** Replicas report to one `MetricsAggregator` actor per app (named, detached, created
-by whichever replica reports first) about once a second and when a request finishes. Counters and
+by whichever replica reports first) once a second (`RAYLANE_METRICS_INTERVAL_S`). Counters and
 histograms travel as *increments* since the last acknowledged report, tagged with a sequence number
 that the aggregator applies at most once; the aggregator adds them to totals it owns. So a replica
 that restarts, scales down or dies takes nothing from the totals (it loses at most its last second
