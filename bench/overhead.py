@@ -203,11 +203,12 @@ def summarize(pairs: list[Pair], ingress: str = "proxy") -> dict[str, Any]:
             "overhead_p50_ms": sides["http"]["p50"] - sides["engine"]["p50"],
             "paired_difference_p50_ms": percentile(paired, 50),
         }
-    result["tail"] = {
-        side: {"p50": percentile(tails, 50)}
-        for side in ("http", "engine")
-        if (tails := [(s.e2e - s.last_text) * 1e3 for p in ok if (s := getattr(p, side)).e2e and s.last_text])
-    }
+    result["tail"] = {}
+    for side in ("http", "engine"):
+        samples = [getattr(p, side) for p in ok]
+        tails = [(s.e2e - s.last_text) * 1e3 for s in samples if s.e2e and s.last_text]
+        if tails:
+            result["tail"][side] = {"p50": percentile(tails, 50)}
     result["goal_ms"] = GOAL_MS
     result["goal_met"] = all(result[m]["overhead_p50_ms"] <= GOAL_MS for m in ("ttft", "e2e"))
     return result

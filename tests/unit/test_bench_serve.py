@@ -387,3 +387,15 @@ def test_sharegpt_dataset_gives_first_human_turns():
     assert [r.messages for r in datasets.sharegpt_requests(30, 0, TokenCounter(), max_len=1024)] == [
         r.messages for r in reqs
     ]
+
+
+def test_overhead_tail_is_the_last_text_to_the_end_of_the_response():
+    from bench.overhead import Pair, Sample, summarize
+
+    def pair(http_last: float, engine_last: float) -> Pair:
+        http = Sample(ttft=0.010, e2e=0.100, last_text=http_last, text="ab")
+        return Pair(http, Sample(ttft=0.005, e2e=0.090, last_text=engine_last, text="ab"), "http")
+
+    s = summarize([pair(0.096, 0.090), pair(0.094, 0.089), pair(0.090, 0.088)])
+    assert s["tail"]["http"]["p50"] == pytest.approx(6.0)  # 100 ms end - 94 ms last text
+    assert s["tail"]["engine"]["p50"] == pytest.approx(1.0)
