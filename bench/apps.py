@@ -55,6 +55,7 @@ class LocalServe:
         self.port: int | None = None
         self.apps: list[str] = []  # the Serve apps this object deployed (deleted on exit)
         self._pending: dict[str, ClusterConfig] = {}
+        self._pending_apps: dict[str, object] = {}  # name -> a bound Serve application (not raylane's)
         self._urls: dict[str, str] = {}
         self._started_ray = False
         self._started_serve = False
@@ -106,13 +107,21 @@ class LocalServe:
 
     def add(self, name: str, config: ClusterConfig) -> None:
         """Stage `config` as app `raylane-bench-NAME` at /NAME; the next `url` or `deploy` starts it."""
-        if name in self._urls or name in self._pending:
-            raise LocalServeError(f"an app named {name!r} is already there")
+        self._check_free(name)
         self._pending[name] = config
+
+    def add_app(self, name: str, app) -> None:
+        """Stage a bound Serve application (one that answers GET /health) as app `raylane-bench-NAME`."""
+        self._check_free(name)
+        self._pending_apps[name] = app
+
+    def _check_free(self, name: str) -> None:
+        if name in self._urls or name in self._pending or name in self._pending_apps:
+            raise LocalServeError(f"an app named {name!r} is already there")
 
     def url(self, name: str) -> str:
         """The app's root URL, once it answers /health (deploying every staged app first, at once)."""
-        if self._pending:
+        if self._pending or self._pending_apps:
             self._deploy_pending()
         return self._urls[name]
 
@@ -128,11 +137,12 @@ class LocalServe:
 
         from deployments.app import build_app
 
-        pending, self._pending = self._pending, {}
-        prepare_checkpoints(list(pending.values()))
+        configs, self._pending = self._pending, {}
+        prepare_checkpoints(list(configs.values()))
+        pending = {name: build_app(config) for name, config in configs.items()} | self._pending_apps
+        self._pending_apps = {}
         targets = [
-            RunTarget(build_app(config), name=APP_PREFIX + name, route_prefix=f"/{name}")
-            for name, config in pending.items()
+            RunTarget(app, name=APP_PREFIX + name, route_prefix=f"/{name}") for name, app in pending.items()
         ]
         self.apps += [t.name for t in targets]  # deleted on exit even if deploying fails halfway
         print(f"deploying {', '.join(t.name for t in targets)} on port {self.port} ...", file=sys.stderr)

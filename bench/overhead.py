@@ -7,6 +7,11 @@ prompt rendered and the sampling parameters made by the same code the pool uses
 (`OpenAIServing.render_chat`, `deployments.sampling.chat_params`). Request i goes to both, in turn
 (HTTP first for even i, the engine first for odd i), so a slow spell of the machine hits both sides.
 
+With `floor_url` (the command deploys it), request i goes, right after the in-process engine, to a
+third side: Serve's floor (`bench/serve_floor.py`), the same topology with a stand-in pool that
+replays the engine's outputs for that request at the times the in-process engine made them. So
+floor - engine is what Ray Serve's own path costs here, and HTTP - floor what raylane's code adds.
+
 TTFT is request sent -> first generated text (an SSE chunk with content; an engine output with
 text); E2E is request sent -> the end of the stream (the HTTP body's end, which the async `openai`
 client reads to); the tail is the last text -> the end of the stream. The overhead is the
@@ -48,6 +53,7 @@ class Sample:
     text: str = ""
     output_tokens: int = 0
     error: str | None = None
+    outputs: list[tuple[float, str]] = field(default_factory=list)  # in-process: (time, text) per output
 
 
 @dataclass(slots=True)
@@ -55,6 +61,7 @@ class Pair:
     http: Sample
     engine: Sample
     first: str  # which side ran first: "http" or "engine"
+    floor: Sample | None = None  # Serve's floor, when measured
     identical: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -117,6 +124,7 @@ class InProcessEngine:
             if completion.text:
                 sample.last_text = time.perf_counter() - sent
                 sample.ttft = sample.ttft or sample.last_text
+            sample.outputs.append((time.perf_counter() - sent, completion.text))
             texts.append(completion.text)
             sample.output_tokens += len(completion.token_ids)
         sample.e2e = time.perf_counter() - sent
@@ -127,11 +135,11 @@ class InProcessEngine:
         self.llm.shutdown()
 
 
-async def send_http(client, model: str, request: BenchRequest) -> Sample:
+async def send_http(client, model: str, request: BenchRequest, extra: dict[str, Any] | None = None) -> Sample:
     import openai
 
     body = request_body(model, request)
-    extra = {"ignore_eos": body.pop("ignore_eos")}
+    extra = {"ignore_eos": body.pop("ignore_eos")} | (extra or {})
     sample = Sample()
     texts: list[str] = []
     sent = time.perf_counter()
@@ -153,33 +161,61 @@ async def send_http(client, model: str, request: BenchRequest) -> Sample:
 
 
 async def measure(
-    base_url: str, api_key: str, engine: InProcessEngine, requests: list[BenchRequest], warmup: int = 2
+    base_url: str,
+    api_key: str,
+    engine: InProcessEngine,
+    requests: list[BenchRequest],
+    warmup: int = 2,
+    floor_url: str | None = None,
 ) -> list[Pair]:
-    """Each request to both sides, alternating which goes first; `warmup` unmeasured pairs first."""
+    """Each request to both sides, alternating which goes first, and then, right after the engine,
+    to Serve's floor at `floor_url`, replaying what the engine did; `warmup` unmeasured rounds first."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+    floor = (
+        openai.AsyncOpenAI(base_url=floor_url, api_key="EMPTY", max_retries=0, timeout=600)
+        if floor_url
+        else None
+    )
+
+    async def replay(local: Sample, request: BenchRequest) -> Sample | None:
+        if not floor:
+            return None
+        extra = {"replay": local.outputs, "replay_tokens": local.output_tokens}
+        sample = await send_http(floor, engine.model_id, request, extra)
+        if sample.error:
+            raise RuntimeError(f"request to Serve's floor at {floor_url} failed: {sample.error}")
+        return sample
+
     try:
         for request in requests[:warmup]:
             warm = await send_http(client, engine.model_id, request)
             if warm.error:
                 raise RuntimeError(f"warm-up request to {base_url} failed: {warm.error}")
-            await engine.send(request)
+            await replay(await engine.send(request), request)
         pairs = []
         for i, request in enumerate(requests):
             if i % 2 == 0:
                 http = await send_http(client, engine.model_id, request)
-                pairs.append(Pair(http, await engine.send(request), "http"))
+                local = await engine.send(request)
+                pairs.append(Pair(http, local, "http", await replay(local, request)))
             else:
                 local = await engine.send(request)
-                pairs.append(Pair(await send_http(client, engine.model_id, request), local, "engine"))
+                replayed = await replay(local, request)
+                pairs.append(
+                    Pair(await send_http(client, engine.model_id, request), local, "engine", replayed)
+                )
         return pairs
     finally:
         await client.close()
+        if floor:
+            await floor.close()
 
 
 def summarize(pairs: list[Pair], ingress: str = "proxy") -> dict[str, Any]:
-    """p50/p99 of TTFT and E2E per side (ms), the overheads (differences of p50s) and checks."""
+    """p50/p99 of TTFT and E2E per side (ms), the overheads (differences of p50s) and checks; with
+    Serve's floor measured, also what the floor adds over the engine and raylane over the floor."""
     ok = [p for p in pairs if p.http.error is None]
     result: dict[str, Any] = {
         "ingress": ingress,
@@ -188,25 +224,33 @@ def summarize(pairs: list[Pair], ingress: str = "proxy") -> dict[str, Any]:
         "identical_outputs": sum(p.identical for p in pairs),
         "same_token_counts": sum(p.http.output_tokens == p.engine.output_tokens for p in ok),
     }
+    sides = ("http", "engine", "floor") if ok and all(p.floor for p in ok) else ("http", "engine")
+    if "floor" in sides:  # the stand-in carried the engine's text through Serve and the SDK
+        result["floor_identical_outputs"] = sum(p.floor.text == p.engine.text for p in ok)
     for metric in ("ttft", "e2e"):
-        sides = {}
-        for side in ("http", "engine"):
+        stats = {}
+        for side in sides:
             ms = [getattr(getattr(p, side), metric) * 1e3 for p in ok if getattr(getattr(p, side), metric)]
-            sides[side] = {"p50": percentile(ms, 50), "p99": percentile(ms, 99), "mean": statistics.fmean(ms)}
+            stats[side] = {"p50": percentile(ms, 50), "p99": percentile(ms, 99), "mean": statistics.fmean(ms)}
         paired = [
             (getattr(p.http, metric) - getattr(p.engine, metric)) * 1e3
             for p in ok
             if getattr(p.http, metric) is not None and getattr(p.engine, metric) is not None
         ]
         result[metric] = {
-            **sides,
-            "overhead_p50_ms": sides["http"]["p50"] - sides["engine"]["p50"],
+            **stats,
+            "overhead_p50_ms": stats["http"]["p50"] - stats["engine"]["p50"],
             "paired_difference_p50_ms": percentile(paired, 50),
         }
+        if "floor" in stats:
+            result[metric]["floor_over_engine_p50_ms"] = stats["floor"]["p50"] - stats["engine"]["p50"]
+            result[metric]["raylane_over_floor_p50_ms"] = stats["http"]["p50"] - stats["floor"]["p50"]
     result["tail"] = {}
-    for side in ("http", "engine"):
-        samples = [getattr(p, side) for p in ok]
-        tails = [(s.e2e - s.last_text) * 1e3 for s in samples if s.e2e and s.last_text]
+    for side in sides:
+        tails = []
+        for sample in (getattr(p, side) for p in ok):
+            if sample.e2e and sample.last_text:
+                tails.append((sample.e2e - sample.last_text) * 1e3)
         if tails:
             result["tail"][side] = {"p50": percentile(tails, 50)}
     result["goal_ms"] = GOAL_MS
@@ -214,24 +258,52 @@ def summarize(pairs: list[Pair], ingress: str = "proxy") -> dict[str, Any]:
     return result
 
 
+def front_label(ingress: str | None) -> str:
+    """What receives the request before the gateway, as the tables name it."""
+    return "HAProxy" if ingress == "haproxy" else "proxy"
+
+
 def table_rows(summary: dict[str, Any]) -> list[list[str]]:
     rows = []
-    front = "HAProxy" if summary.get("ingress") == "haproxy" else "proxy"
+    front = front_label(summary.get("ingress"))
+    labels = {
+        "engine": "engine in-process",
+        "http": f"HTTP: {front}, gateway, pool",
+        "floor": f"Serve's floor: {front}, bare ingress, stand-in pool",
+    }
     for metric in ("ttft", "e2e"):
-        s = summary[metric]
-        for side, label in (("engine", "engine in-process"), ("http", f"HTTP: {front}, gateway, pool")):
-            rows.append([f"{metric.upper()} {label}", f"{s[side]['p50']:.1f}", f"{s[side]['p99']:.1f}"])
-        rows.append([f"{metric.upper()} added by serving", f"{s['overhead_p50_ms']:+.1f}", ""])
-    for side, label in (("engine", "engine in-process"), ("http", f"HTTP: {front}, gateway, pool")):
+        s, name = summary[metric], metric.upper()
+        for side in ("engine", "http", "floor"):
+            if side in s:
+                rows.append([f"{name} {labels[side]}", f"{s[side]['p50']:.1f}", f"{s[side]['p99']:.1f}"])
+        rows.append([f"{name} added by serving", f"{s['overhead_p50_ms']:+.1f}", ""])
+        if "floor" in s:
+            rows.append(
+                [
+                    f"{name} of that, Serve's floor over the engine",
+                    f"{s['floor_over_engine_p50_ms']:+.1f}",
+                    "",
+                ]
+            )
+            rows.append(
+                [f"{name} of that, raylane over Serve's floor", f"{s['raylane_over_floor_p50_ms']:+.1f}", ""]
+            )
+    for side in ("engine", "http", "floor"):
         if side in summary.get("tail", {}):
-            rows.append([f"last text to end of response, {label}", f"{summary['tail'][side]['p50']:.1f}", ""])
+            rows.append(
+                [f"last text to end of response, {labels[side]}", f"{summary['tail'][side]['p50']:.1f}", ""]
+            )
     return rows
 
 
 def verdict(summary: dict[str, Any]) -> str:
     worst = max(summary[m]["overhead_p50_ms"] for m in ("ttft", "e2e"))
     state = "met" if summary["goal_met"] else "NOT met"
-    return f"serving adds {worst:.1f} ms p50 at most (TTFT, E2E): goal <= {GOAL_MS:g} ms {state}"
+    line = f"serving adds {worst:.1f} ms p50 at most (TTFT, E2E): goal <= {GOAL_MS:g} ms {state}"
+    if "floor" in summary["ttft"]:
+        floor = max(summary[m]["floor_over_engine_p50_ms"] for m in ("ttft", "e2e"))
+        line += f"; Serve's floor alone adds {floor:.1f} ms at most"
+    return line
 
 
 def ray_torch_threads(cpus: float) -> int:
@@ -265,6 +337,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ingress", choices=("proxy", "haproxy"), help="set http.ingress (default: the config's)"
     )
+    parser.add_argument(
+        "--no-floor", action="store_true", help="leave out Serve's floor (bench/serve_floor.py)"
+    )
     parser.add_argument("--out", type=Path, help="write overhead.json here")
     add_dataset_arguments(parser)
     parser.set_defaults(num_prompts=32, random_input_len=128, random_output_len=32)
@@ -272,6 +347,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from bench.apps import LocalServe, LocalServeError
+    from bench.serve_floor import floor_app
     from bench.serving import serving_config
 
     config = ClusterConfig.from_yaml(args.config) if args.config else serving_config()
@@ -288,8 +364,11 @@ def run(args: argparse.Namespace) -> int:
     requests, dataset = requests_from_args(args)
     try:
         with LocalServe(ingress=config.http.ingress) as local:
+            if not args.no_floor:
+                local.add_app("serve-floor", floor_app())
             url = local.deploy({"overhead": config})["overhead"]
-            result = run_overhead(f"{url}/v1", "EMPTY", pool, requests, args.warmup, local.ingress)
+            floor_url = None if args.no_floor else f"{local.url('serve-floor')}/v1"
+            result = run_overhead(f"{url}/v1", "EMPTY", pool, requests, args.warmup, local.ingress, floor_url)
     except (LocalServeError, RuntimeError) as e:
         print(f"raylane bench overhead: {e}", file=sys.stderr)
         return 1
@@ -308,16 +387,18 @@ def run_overhead(
     requests: list[BenchRequest],
     warmup: int = 2,
     ingress: str = "proxy",
+    floor_url: str | None = None,
 ) -> dict[str, Any]:
     """Measure against a running app whose pool `pool` serves `pool.model_id` (Ray initialized), behind
-    `ingress` (what is in front of its gateway: proxy or haproxy)."""
+    `ingress` (what is in front of its gateway: proxy or haproxy), and Serve's floor at `floor_url`
+    (an OpenAI base URL of `bench.serve_floor.floor_app` behind the same ingress) when given."""
     import torch
 
     threads, before = ray_torch_threads(pool.engine.cpus_per_rank), torch.get_num_threads()
     engine = InProcessEngine(pool, threads)
     try:
         with OtherLoad(process_tree_cpu_s) as load:
-            pairs = asyncio.run(measure(base_url, api_key, engine, requests, warmup))
+            pairs = asyncio.run(measure(base_url, api_key, engine, requests, warmup, floor_url))
         engine_threads = asyncio.run(_engine_threads(engine))
     finally:
         engine.shutdown()
@@ -345,7 +426,8 @@ def print_report(result: dict[str, Any]) -> None:
         f"machine: {machine['cpu']}, {machine['cores']} cores; model {result['model']} "
         f"({result['checkpoint']}), {machine['torch_threads']} torch thread(s) on both sides"
     )
-    print(f"{s['requests']} requests at concurrency 1, each to both sides, alternated")
+    floor = " (then to Serve's floor, replaying the engine)" if "floor" in s["ttft"] else ""
+    print(f"{s['requests']} requests at concurrency 1, each to both sides, alternated{floor}")
     print_table(["latency (ms)", "p50", "p99"], table_rows(s))
     print(verdict(s))
     print(

@@ -10,8 +10,9 @@ Parts, each with its goal (a goal that is not met is written as such, with the m
    runs each): useful tokens/s >= 3x HF; an engine decode step <= 25% over a bare forward.
 2. overhead: the same chat requests over HTTP (Serve's HAProxy or proxy, gateway and router, pool
    replica) and to the same engine in this process, alternated, concurrency 1 (bench/overhead.py):
-   <= 15 ms p50. Then again with the other `http.ingress` in a Ray of its own (proxy after HAProxy;
-   HAProxy after the proxy where it can run), so both are in the report.
+   <= 15 ms p50; and to Serve's floor (bench/serve_floor.py), to tell Serve's share from raylane's.
+   Then again with the other `http.ingress` in a Ray of its own (proxy after HAProxy; HAProxy after
+   the proxy where it can run), so both are in the report.
 3. routing: `model: "auto"` against the named pool, end to end, alternated (bench/router.py): auto
    adds <= 15 ms to E2E p50.
 4. prefix: the `prefix` dataset (a long shared system prompt, a short question) against the same
@@ -113,7 +114,8 @@ def run_overhead(args, urls: dict[str, str], config, tokenizer: str, ingress: st
     from bench.overhead import run_overhead as measure
 
     requests = serving_requests(args, tokenizer, "overhead")
-    result = measure(f"{urls['main']}/v1", "EMPTY", config.pools[0], requests, 2, ingress)
+    floor = f"{urls['serve-floor']}/v1" if "serve-floor" in urls else None
+    result = measure(f"{urls['main']}/v1", "EMPTY", config.pools[0], requests, 2, ingress, floor)
     result["dataset_prompt_tokens"] = sum(r.prompt_tokens for r in requests) / len(requests)
     write_json(args.out / f"overhead-{ingress}.json", result)
     result.pop("pairs")  # every pair is in the JSON file; the report keeps the summary
@@ -124,13 +126,15 @@ def run_overhead_behind(args, ingress: str) -> dict[str, Any]:
     """The overhead part again, with the main config behind `ingress` (a Ray of its own: the ingress is
     fixed when Ray starts); other load is metered once the app runs, as for the rest."""
     from bench.apps import LocalServe
+    from bench.serve_floor import floor_app
     from bench.serving import DEMO_MODEL, serving_config
 
     config = serving_config(args.model or DEMO_MODEL, ingress=ingress)
     tokenizer = config.pools[0].engine_config().tokenizer
     try:
         with LocalServe(ingress=ingress) as local:
-            urls = local.deploy({"main": config})
+            local.add_app("serve-floor", floor_app())
+            urls = local.deploy({"main": config}) | {"serve-floor": local.url("serve-floor")}
             return measured(
                 f"overhead, http.ingress: {ingress}",
                 lambda: run_overhead(args, urls, config, tokenizer, local.ingress),
@@ -240,6 +244,7 @@ def checkpoint_params(path: str | Path) -> int:
 
 def run_serving_parts(args: argparse.Namespace, report: dict[str, Any], todo: list[str]) -> None:
     from bench.apps import LocalServe
+    from bench.serve_floor import floor_app
     from bench.serving import DEMO_MODEL, serving_config
 
     model = args.model or DEMO_MODEL
@@ -248,7 +253,11 @@ def run_serving_parts(args: argparse.Namespace, report: dict[str, Any], todo: li
     for name, config in configs.items():
         (args.out / "configs" / f"{name}.yaml").write_text(config.to_yaml())
     with LocalServe() as local:
+        if "overhead" in todo:
+            local.add_app("serve-floor", floor_app())
         urls = local.deploy(configs)
+        if "overhead" in todo:
+            urls["serve-floor"] = local.url("serve-floor")
         pool = configs["main"].pools[0]
         tokenizer = pool.engine_config().tokenizer
         report["serving_model"] = {

@@ -111,14 +111,40 @@ def overhead_section(part: dict[str, Any]) -> str:
             f"- serving adds **{ttft:.1f} ms** to TTFT p50 and **{e2e:.1f} ms** to E2E p50 "
             f"(goal <= {s['goal_ms']:g} ms: {met(s['goal_met'])}); greedy outputs identical on both sides: "
             f"{s['identical_outputs']}/{s['requests']}",
+            *floor_lines(s),
             *other_ingress_lines(part.get("other_ingress")),
         ]
     )
 
 
+def floor_lines(s: dict[str, Any]) -> list[str]:
+    """How the overhead splits between Serve's own path and raylane's code, when the floor ran."""
+    from bench.overhead import front_label
+
+    if "floor" not in s["ttft"]:
+        return []
+    ttft, e2e = s["ttft"], s["e2e"]
+    return [
+        f"- of that, Serve's floor (the same {front_label(s['ingress'])}, "
+        "ingress replica and handle call, a bare FastAPI ingress and a stand-in pool that replays the "
+        "engine's outputs at their in-process times: `bench/serve_floor.py`) adds "
+        f"**{ttft['floor_over_engine_p50_ms']:.1f} ms** to TTFT p50 and "
+        f"**{e2e['floor_over_engine_p50_ms']:.1f} ms** to E2E p50; raylane's own code the rest, "
+        f"{ttft['raylane_over_floor_p50_ms']:+.1f} ms and {e2e['raylane_over_floor_p50_ms']:+.1f} ms"
+    ]
+
+
 def overhead_cells(s: dict[str, Any]) -> list[str]:
     measured = f"TTFT {s['ttft']['overhead_p50_ms']:+.1f} ms, E2E {s['e2e']['overhead_p50_ms']:+.1f} ms"
     return ["<= 15 ms", measured, met(s["goal_met"])]
+
+
+def floor_row(s: dict[str, Any]) -> list[list[str]]:
+    if "floor" not in s["ttft"]:
+        return []
+    ttft, e2e = s["ttft"]["floor_over_engine_p50_ms"], s["e2e"]["floor_over_engine_p50_ms"]
+    measured = f"TTFT {ttft:+.1f} ms, E2E {e2e:+.1f} ms"
+    return [["of that, Serve's own path, no raylane code (`bench/serve_floor.py`)", "", measured, ""]]
 
 
 INGRESS_WORDS = {
@@ -148,6 +174,7 @@ def other_ingress_lines(part: dict[str, Any] | None) -> list[str]:
         f"- serving adds **{ttft:.1f} ms** to TTFT p50 and **{e2e:.1f} ms** to E2E p50 "
         f"(goal <= {s['goal_ms']:g} ms: {met(s['goal_met'])}); greedy outputs identical: "
         f"{s['identical_outputs']}/{s['requests']}",
+        *floor_lines(s),
     ]
 
 
@@ -293,6 +320,8 @@ def full_markdown(report: dict[str, Any]) -> str:
 
 
 def summary_rows(report: dict[str, Any]) -> list[list[str]]:
+    from bench.overhead import front_label
+
     parts = report["parts"]
 
     def ok(name: str) -> dict[str, Any] | None:
@@ -309,13 +338,15 @@ def summary_rows(report: dict[str, Any]) -> list[list[str]]:
             ["engine decode step over a bare forward", "<= 25%", f"{overhead:+.1f}%", met(overhead <= 25)]
         )
     if o := ok("overhead"):
-        front = "HAProxy" if o["summary"]["ingress"] == "haproxy" else "proxy"
+        front = front_label(o["summary"]["ingress"])
         rows.append(
             [f"serving overhead over the engine, p50, concurrency 1 ({front})", *overhead_cells(o["summary"])]
         )
+        rows += floor_row(o["summary"])
         if "summary" in (h := o.get("other_ingress") or {}):
             other = h["summary"]
             rows.append([f"the same, `http.ingress: {other['ingress']}`", *overhead_cells(other)])
+            rows += floor_row(other)
     if r := ok("routing"):
         s = r["summary"]
         measured = f"E2E {s['e2e']['added_p50_ms']:+.1f} ms (TTFT {s['ttft']['added_p50_ms']:+.1f} ms)"

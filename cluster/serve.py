@@ -7,9 +7,11 @@ Retry-After while those in flight finish, up to gateway.drain_timeout_s), delete
 down and stops the Ray it started, so nothing is left running.
 
 Against a cluster that already runs the app (RAY_ADDRESS, or a local Ray already serving on the
-port) it redeploys the new config in place and returns: Serve rolls the changed deployments over,
-new replicas come up before traffic moves, and the old ones finish their in-flight requests and
-streams (up to each deployment's graceful_shutdown_timeout_s) before they stop.
+port) it redeploys the new config in place and returns. Serve restarts every deployment of the app
+(the config is the app's argument, so any change is a new code version for all of them). Each old
+replica stops taking requests first and finishes its in-flight requests and streams (up to
+DRAIN_TIMEOUT_S) while the new one starts; requests that arrive meanwhile wait for the new replicas,
+or get 503 `pool_unavailable` with Retry-After once the new gateway is up before the pools are.
 """
 
 import argparse

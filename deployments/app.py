@@ -25,6 +25,10 @@ REPLICA_DRIVER_CPUS = 0.1
 # A replica being replaced (redeploy, downscale) stops taking requests and finishes the ones in flight,
 # streams included, for up to this long before it is killed (Serve's default, 20 s, cuts long streams).
 DRAIN_TIMEOUT_S = 120.0
+# Serve's own access log line per call (to a file and to stderr, which Ray's log monitor then tails
+# and ships to the driver) repeats the gateway's request log (deployments/request_log.py). Under a
+# flood of 429s that is CPU taken from the requests being served.
+SERVE_LOGGING = {"enable_access_log": False}
 
 
 def pool_deployment_name(pool_name: str) -> str:
@@ -50,6 +54,7 @@ def pool_deployment_options(pool: PoolConfig) -> dict[str, Any]:
         "health_check_period_s": pool.health_check_period_s,
         "health_check_timeout_s": pool.health_check_timeout_s,
         "graceful_shutdown_timeout_s": DRAIN_TIMEOUT_S,
+        "logging_config": SERVE_LOGGING,
     }
     if replicas.autoscaling:
         options["autoscaling_config"] = {
@@ -72,6 +77,7 @@ def gateway_deployment_options(config: ClusterConfig) -> dict[str, Any]:
         "ray_actor_options": {"num_cpus": config.gateway.num_cpus},
         "max_ongoing_requests": config.gateway.max_ongoing_requests,
         "graceful_shutdown_timeout_s": DRAIN_TIMEOUT_S,
+        "logging_config": SERVE_LOGGING,
     }
 
 

@@ -5,7 +5,7 @@ and get the next free slot in (priority, arrival) order: lower priority numbers 
 within one. Waiting is bounded three ways, each answered with OverloadedError (429, Retry-After):
 - a tier may have at most `max_queue_depth` requests waiting for one pool;
 - a request waits at most its tier's `max_queue_wait_s` (and is turned away at once when the
-  queue ahead of it, at the pool's recent service time, already needs longer);
+  queue ahead of it, at the recent service time, already needs longer);
 - a pool holds at most `max_waiting` waiters in all; when that is full, an arrival takes the place
   of the newest waiter of a lower-priority sheddable tier, or is turned away.
 So overload never grows memory: at most sum(max_waiting) requests wait anywhere.
@@ -14,6 +14,12 @@ A tier with `max_pool_share` < 1 holds at most that share of a pool's slots at o
 its requests leaves the rest free for other tiers: premium traffic then gets a slot at once instead
 of waiting for a sheddable request to finish. A waiter held back by its share lets the ones behind
 it pass.
+
+Retry-After is the estimated wait. For a tier that holds its whole share, that is rounds of its own
+slots times how long its own requests hold one: a flood of long sheddable requests is told to come
+back when a slot can be its own, rather than retrying in vain while premium traffic pays for each
+rejection's trip through the proxy and gateway. Otherwise it is rounds of the pool's slots at the
+pool's mean service time.
 """
 
 import asyncio
@@ -52,6 +58,7 @@ class _Pool:
     by_tier: dict[str, int] = field(default_factory=dict)  # slots held per tier name
     waiters: list[_Waiter] = field(default_factory=list)  # a heap
     service_s: float | None = None  # smoothed time a request holds a slot
+    tier_service_s: dict[str, float] = field(default_factory=dict)  # the same, per tier name
 
 
 class Ticket:
@@ -130,8 +137,11 @@ class AdmissionController:
         if self._may_take(p, tier):
             return 0.0
         ahead = sum(1 for w in p.waiters if w.priority <= tier.priority)
-        rounds = ahead // max(p.capacity, 1) + 1  # slots free up `capacity` at a time
-        return rounds * (p.service_s or 1.0)
+        slots, service = p.capacity, None  # the pool is full: any holder's slot will do
+        if p.by_tier.get(tier.name, 0) >= _share(p, tier):  # only its own requests' slots will do
+            slots, service = _share(p, tier), p.tier_service_s.get(tier.name)
+        rounds = ahead // max(slots, 1) + 1  # slots free up `slots` at a time
+        return rounds * (service or p.service_s or 1.0)
 
     def _check_can_wait(self, pool: str, p: _Pool, tier: TierConfig, budget: float) -> None:
         same_tier = sum(1 for w in p.waiters if w.tier.name == tier.name)
@@ -172,8 +182,7 @@ class AdmissionController:
 
     @staticmethod
     def _may_take(p: _Pool, tier: TierConfig) -> bool:
-        share = max(1, int(p.capacity * tier.max_pool_share))
-        return p.in_flight < p.capacity and p.by_tier.get(tier.name, 0) < share
+        return p.in_flight < p.capacity and p.by_tier.get(tier.name, 0) < _share(p, tier)
 
     @staticmethod
     def _take(p: _Pool, tier: TierConfig) -> None:
@@ -185,11 +194,8 @@ class AdmissionController:
         p.in_flight -= 1
         p.by_tier[tier.name] -= 1
         if learn:
-            p.service_s = (
-                held_s
-                if p.service_s is None
-                else p.service_s + SERVICE_TIME_SMOOTHING * (held_s - p.service_s)
-            )
+            p.service_s = _smoothed(p.service_s, held_s)
+            p.tier_service_s[tier.name] = _smoothed(p.tier_service_s.get(tier.name), held_s)
         self._dispatch(p)
 
     def _dispatch(self, p: _Pool) -> None:
@@ -213,6 +219,15 @@ class AdmissionController:
         if waiter in p.waiters:
             p.waiters.remove(waiter)
             heapq.heapify(p.waiters)
+
+
+def _share(p: _Pool, tier: TierConfig) -> int:
+    """Slots of `p` that `tier` may hold at once."""
+    return max(1, int(p.capacity * tier.max_pool_share))
+
+
+def _smoothed(mean: float | None, sample: float) -> float:
+    return sample if mean is None else mean + SERVICE_TIME_SMOOTHING * (sample - mean)
 
 
 def _granted(future: asyncio.Future) -> bool:

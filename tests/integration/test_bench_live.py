@@ -167,11 +167,22 @@ def test_bench_router_compares_auto_with_a_named_model(api_server, capsys, tmp_p
 
 
 def test_bench_overhead_runs_the_same_work_on_both_sides(api_server):
+    from ray import serve
+
     from bench.overhead import run_overhead
+    from bench.serve_floor import floor_app
+    from tests.live_servers import wait_healthy
 
     pool = next(p for p in api_server.config.pools if p.name == "chat")
     requests = random_requests(3, 0, TokenCounter(pool.model_path()), 24, 8, 0.5)
-    result = run_overhead(api_server.base_url, "x", pool, requests, warmup=1)
+    serve.run(floor_app(), name="bench-serve-floor", route_prefix="/serve-floor")
+    try:
+        floor_root = api_server.base_url.removesuffix("/v1") + "/serve-floor"
+        wait_healthy(f"{floor_root}/health", 60)  # the proxy learns the new route a moment later
+        floor_url = f"{floor_root}/v1"
+        result = run_overhead(api_server.base_url, "x", pool, requests, 1, "proxy", floor_url)
+    finally:
+        serve.delete("bench-serve-floor")
     summary = result["summary"]
     assert summary["requests"] == 3 and summary["http_errors"] == 0
     # Greedy, same engine config, same prompt rendering: the HTTP stream and the engine agree.
@@ -179,9 +190,12 @@ def test_bench_overhead_runs_the_same_work_on_both_sides(api_server):
     assert all(
         p["http"]["output_tokens"] == r.max_tokens for p, r in zip(result["pairs"], requests, strict=True)
     )
-    for side in ("http", "engine"):
+    for side in ("http", "engine", "floor"):
         assert 0 < summary["ttft"][side]["p50"] <= summary["e2e"][side]["p50"]
     assert {p["first"] for p in result["pairs"]} == {"http", "engine"}  # alternated
+    # Serve's floor streamed the engine's outputs back through Serve and the SDK, usage included.
+    assert summary["floor_identical_outputs"] == 3
+    assert all(p["floor"]["output_tokens"] == p["engine"]["output_tokens"] for p in result["pairs"])
 
 
 @pytest.mark.timeout(1200)

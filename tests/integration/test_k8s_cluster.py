@@ -6,6 +6,7 @@ the gateway's) and gets the API keys through its environment, as the pods get th
 It is separate from the session's in-process Ray, which runs without a dashboard.
 """
 
+import collections
 import contextlib
 import json
 import os
@@ -212,7 +213,10 @@ def test_warmup_job_waits_for_replicas_and_prefills_system_prompts(deployed, tmp
 
 
 def test_raylane_serve_redeploys_in_place_while_streams_run(deployed, tmp_path):
-    """`raylane serve --config NEW` against the running cluster: in-flight streams all finish."""
+    """`raylane serve --config NEW` against the running cluster: the streams in flight on the old
+    replicas finish while those replicas stop. Serve stops every deployment's old replica before it
+    starts the new one, so requests sent meanwhile wait, or get a 503 naming the pools that are not up
+    yet; none is cut or hangs."""
     import openai
 
     config = yaml.safe_load((REPO / "k8s" / "configs" / "cpu-demo.yaml").read_text())
@@ -225,35 +229,77 @@ def test_raylane_serve_redeploys_in_place_while_streams_run(deployed, tmp_path):
 
     results: list[str] = []
     ended: list[float] = []
+    probes: list[tuple[float, float, str]] = []  # (sent at, seconds, outcome): requests meanwhile
+    stopping: dict[str, float] = {}  # deployment -> when an old replica was first seen STOPPING
+    redeployed = threading.Event()
 
     def stream(model: str) -> None:
+        # Long enough to be running when the old replicas stop (Serve stops them first, then starts
+        # the new ones), short enough to end inside their drain window (DRAIN_TIMEOUT_S, 120 s from
+        # the stop) on a slower machine: 1500 tokens outlasted it in CI; 800 take about 60 s here.
         try:
-            chunks = chat_request(deployed.url, model, stream=True, max_tokens=1500, ignore_eos=True)
+            chunks = chat_request(deployed.url, model, stream=True, max_tokens=800, ignore_eos=True)
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             results.append("ok" if text else "empty")
             ended.append(time.monotonic())
         except openai.OpenAIError as e:
             results.append(f"{type(e).__name__}: {e}")
 
+    def probe() -> None:
+        while not redeployed.is_set():
+            sent = time.monotonic()
+            try:
+                outcome = "ok" if chat_request(deployed.url, "coding").choices[0].message.content else "empty"
+            except openai.APIStatusError as e:
+                outcome = f"{e.status_code} {e.code}"
+            except openai.OpenAIError as e:
+                outcome = f"{type(e).__name__}: {e}"
+            probes.append((sent, time.monotonic() - sent, outcome))
+            time.sleep(1.0)
+
+    def watch() -> None:
+        while not redeployed.is_set():
+            try:
+                deployments = deployed.app().get("deployments", {})
+            except (AssertionError, OSError):  # the dashboard is busy with the deploy: look again
+                deployments = {}
+            for name, d in deployments.items():
+                if any(r["state"] == "STOPPING" for r in d.get("replicas", [])):
+                    stopping.setdefault(name, time.monotonic())
+            time.sleep(0.5)
+
     threads = [threading.Thread(target=stream, args=(m,)) for m in ["chat", "chat", "coding", "reasoning"]]
-    for t in threads:
+    helpers = [threading.Thread(target=probe), threading.Thread(target=watch)]
+    for t in threads + helpers:
         t.start()
     time.sleep(1.0)  # the streams are running
     raylane = str(Path(sys.executable).with_name("raylane"))
     redeploy_started = time.monotonic()
-    done = subprocess.run(
-        [raylane, "serve", "--config", str(tmp_path / "new.yaml")],
-        env=deployed.env, capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
+    try:
+        done = subprocess.run(
+            [raylane, "serve", "--config", str(tmp_path / "new.yaml")],
+            env=deployed.env, capture_output=True, text=True, timeout=400,
+        )  # fmt: skip
+    finally:
+        redeployed.set()
     redeploy_returned = time.monotonic()
     assert done.returncode == 0, done.stdout + done.stderr
     assert "redeployed" in done.stdout
-    for t in threads:
+    for t in threads + helpers:
         t.join(timeout=300)
     assert results == ["ok"] * 4, results
-    assert min(ended) > redeploy_started  # every stream was in flight while the config changed
-    print(f"streams ended {[round(t - redeploy_started, 1) for t in ended]} s after the redeploy began; "
-          f"it returned after {redeploy_returned - redeploy_started:.1f} s")  # fmt: skip
+    # Every stream rode an old gateway (and the chat ones an old chat replica) through its stop.
+    assert {"Gateway", "ModelPool:chat"} <= set(stopping), stopping
+    replaced = max(stopping["Gateway"], stopping["ModelPool:chat"])
+    assert min(ended) > replaced, (min(ended) - replaced, stopping)
+    # Requests sent while the new replicas start: an answer or a clean 503, never a cut connection.
+    assert {o for *_, o in probes} <= {"ok", "503 pool_unavailable"}, probes
+    assert any(sent > replaced for sent, *_ in probes), "no request was sent during the replacement"
+    outcomes, slowest = collections.Counter(o for *_, o in probes), max(s for _, s, _ in probes)
+    print(f"old replicas stopping {replaced - redeploy_started:.1f} s after the redeploy began; streams "
+          f"ended {[round(t - redeploy_started, 1) for t in ended]} s after; it returned after "
+          f"{redeploy_returned - redeploy_started:.1f} s; requests meanwhile {dict(outcomes)}, the "
+          f"slowest {slowest:.1f} s")  # fmt: skip
     models = [m.id for m in openai.OpenAI(base_url=f"{deployed.url}/v1", api_key=API_KEY).models.list()]
     assert "chat-v2" in models
     assert chat_request(deployed.url, "chat-v2").choices[0].message.content

@@ -145,3 +145,22 @@ def test_the_overhead_behind_haproxy_is_reported_beside_the_proxy_one():
     failed = {"error": "LocalServeError: --ingress haproxy: no HAProxy binary"}
     both["parts"]["overhead"]["other_ingress"] = failed
     assert "Behind the other `http.ingress`: failed (LocalServeError" in full_markdown(both)
+
+
+def test_the_report_says_how_much_of_the_overhead_is_serves_own():
+    both = report(sweep=[(1, 100.0), (2, 180.0)], gain=7.0)
+    part = overhead_part(24.0, 46.0, "proxy")
+    s = part["summary"]
+    s["ttft"] |= {"floor": stats(70.0), "floor_over_engine_p50_ms": 21.0, "raylane_over_floor_p50_ms": 3.0}
+    s["e2e"] |= {"floor": stats(80.0), "floor_over_engine_p50_ms": 28.0, "raylane_over_floor_p50_ms": 18.0}
+    both["parts"]["overhead"] = part
+    assert (
+        "| of that, Serve's own path, no raylane code (`bench/serve_floor.py`) |  "
+        "| TTFT +21.0 ms, E2E +28.0 ms |  |" in summary_markdown(both)
+    )
+    full = full_markdown(both)
+    assert "| TTFT Serve's floor: proxy, bare ingress, stand-in pool | 70.0 |" in full
+    assert (
+        "adds **21.0 ms** to TTFT p50 and **28.0 ms** to E2E p50; "
+        "raylane's own code the rest, +3.0 ms and +18.0 ms" in full
+    )

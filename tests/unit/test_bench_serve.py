@@ -399,3 +399,65 @@ def test_overhead_tail_is_the_last_text_to_the_end_of_the_response():
     s = summarize([pair(0.096, 0.090), pair(0.094, 0.089), pair(0.090, 0.088)])
     assert s["tail"]["http"]["p50"] == pytest.approx(6.0)  # 100 ms end - 94 ms last text
     assert s["tail"]["engine"]["p50"] == pytest.approx(1.0)
+
+
+def test_overhead_splits_into_serves_floor_and_raylanes_share():
+    from bench.overhead import Pair, Sample, summarize, table_rows
+
+    def pair(engine_ttft: float, floor_ttft: float, http_ttft: float) -> Pair:
+        engine = Sample(ttft=engine_ttft, e2e=engine_ttft + 0.1, last_text=engine_ttft + 0.1, text="ab")
+        floor = Sample(ttft=floor_ttft, e2e=floor_ttft + 0.11, last_text=floor_ttft + 0.1, text="ab")
+        http = Sample(ttft=http_ttft, e2e=http_ttft + 0.12, last_text=http_ttft + 0.1, text="ab")
+        return Pair(http, engine, "http", floor)
+
+    s = summarize([pair(0.020, 0.030, 0.034), pair(0.022, 0.031, 0.036), pair(0.024, 0.035, 0.038)])
+    # p50s: engine 22 ms, floor 31 ms, HTTP 36 ms; E2E adds 100, 110 and 120 ms to each.
+    assert s["ttft"]["overhead_p50_ms"] == pytest.approx(14.0)
+    assert s["ttft"]["floor_over_engine_p50_ms"] == pytest.approx(9.0)
+    assert s["ttft"]["raylane_over_floor_p50_ms"] == pytest.approx(5.0)
+    assert s["e2e"]["floor_over_engine_p50_ms"] == pytest.approx(19.0)
+    assert s["e2e"]["raylane_over_floor_p50_ms"] == pytest.approx(15.0)
+    assert s["tail"]["floor"]["p50"] == pytest.approx(10.0) and s["floor_identical_outputs"] == 3
+    labels = [row[0] for row in table_rows(s)]
+    assert "TTFT of that, Serve's floor over the engine" in labels
+    assert "E2E of that, raylane over Serve's floor" in labels
+    # Without the floor the summary and its table keep to the two sides.
+    plain = summarize([Pair(p.http, p.engine, p.first) for p in [pair(0.02, 0.03, 0.034)]])
+    assert "floor" not in plain["ttft"] and not any("floor" in row[0] for row in table_rows(plain))
+
+
+def test_serve_floor_replays_the_engine_outputs_at_their_times():
+    """A fake clock: the stand-in pool sends each output once its time has come, merges the outputs
+    that are already due when it falls behind, and ends with finish, usage and [DONE]."""
+    import asyncio
+    import json
+
+    from bench import serve_floor
+
+    clock = {"now": 100.0}
+
+    async def fake_sleep(seconds: float) -> None:
+        clock["now"] += seconds
+
+    # This pool's clock only: patching time/asyncio would fake them for the process's other threads too.
+    pool = serve_floor.FloorPool.func_or_class()
+    pool.clock, pool.sleep = lambda: clock["now"], fake_sleep
+    body = {"model": "m", "replay": [[0.03, "He"], [0.04, "llo"], [0.05, ","], [0.09, " world"]]}
+
+    async def collect() -> list[tuple[float, str]]:
+        items = []
+        async for item in pool.replay(body | {"replay_tokens": 4}):
+            items.append((round(clock["now"] - 100.0, 6), item))
+            if len(items) == 2:
+                clock["now"] += 0.06  # the consumer lags: "," and " world" are both due at 0.10
+        return items
+
+    items = asyncio.run(collect())
+    assert [at for at, _ in items] == [0.03, 0.04, 0.10]
+    assert [item.count("data: {") for _, item in items] == [1, 1, 4]  # ",", " world", finish, usage
+    events = [
+        json.loads(line[6:]) for _, item in items for line in item.split("\n\n") if line.startswith("data: {")
+    ]
+    texts = [e["choices"][0]["delta"].get("content", "") for e in events if e["choices"]]
+    assert "".join(texts) == "Hello, world" and events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-1]["usage"]["completion_tokens"] == 4 and items[-1][1].endswith("data: [DONE]\n\n")

@@ -158,3 +158,32 @@ async def test_a_tier_past_its_pool_share_leaves_slots_for_the_others():
     for task in flood[1:]:
         (await task).release()
     assert admission.load("coding") == PoolLoad(in_flight=0, waiting=0, capacity=4)
+
+
+async def test_retry_after_counts_the_tiers_own_slots_and_service_time():
+    """Free may hold 2 of 4 slots and its requests hold one for 10 s; premium's short requests keep the
+    pool's mean service time low. A free request that finds 2 of its tier waiting is told to come back
+    after two rounds of free's own slots (20 s), not after the pool's mean: sooner, it would only be
+    turned away again."""
+    now = [0.0]
+    admission = AdmissionController(clock=lambda: now[0])
+    admission.add_pool("coding", capacity=4, max_waiting=16)
+    half_free = FREE.model_copy(update={"max_pool_share": 0.5, "max_queue_wait_s": 60})
+    for tier, held_s in [(half_free, 10.0)] + [(PREMIUM, 0.5)] * 10:
+        ticket = await admission.acquire("coding", tier)
+        now[0] += held_s
+        ticket.release()
+    held = [await admission.acquire("coding", half_free) for _ in range(2)]
+    waiting = [asyncio.create_task(admission.acquire("coding", half_free)) for _ in range(2)]
+    await settle()
+    with pytest.raises(OverloadedError) as excinfo:
+        await admission.acquire("coding", half_free, timeout=5)
+    assert excinfo.value.reason == "wait_budget"
+    assert excinfo.value.retry_after == pytest.approx(20.0)
+    assert excinfo.value.headers() == {"retry-after": "20"}
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    for ticket in held:
+        ticket.release()
+    assert admission.load("coding") == PoolLoad(in_flight=0, waiting=0, capacity=4)
