@@ -32,7 +32,10 @@ class SpeculativeConfig(BaseModel):
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(description="Local Hugging Face checkpoint directory (config.json + safetensors).")
+    model: str = Field(
+        description="Local Hugging Face checkpoint directory (config.json + safetensors), or a .gguf file "
+        "(llama, mistral, qwen2, qwen3; dequantized at load, see models/gguf.py)."
+    )
     tokenizer: str | None = Field(None, description="Tokenizer directory; defaults to `model`.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights/activations dtype. auto: the checkpoint's dtype on GPU, float32 on CPU."

@@ -27,6 +27,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.model_runner import ModelInput, ModelRunner
+from models.gguf import checkpoint_dir
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class RayDistributedExecutor(Executor):
         from engine import placement
 
         self.config, self.world_size = config, config.world_size
-        self.hf_config = AutoConfig.from_pretrained(config.model)
+        self.hf_config = AutoConfig.from_pretrained(checkpoint_dir(config.model))
         check_parallel_layout(self.hf_config, config)
         if not ray.is_initialized():
             ray.init()

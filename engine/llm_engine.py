@@ -27,6 +27,7 @@ from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import RejectionSampler, SpecDecodeStats, make_proposer
 from models.decoder import sliding_window_of
+from models.gguf import checkpoint_dir
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ def load_tokenizer(path: str):
     """The checkpoint's tokenizer, or None for a checkpoint without one (token-id prompts only)."""
     from transformers import AutoTokenizer
 
+    path = checkpoint_dir(path)
     if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
     return AutoTokenizer.from_pretrained(path)
@@ -63,7 +65,7 @@ def eos_token_ids(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
     try:
         from transformers import GenerationConfig
 
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        eos = GenerationConfig.from_pretrained(checkpoint_dir(model_dir)).eos_token_id
     except OSError:
         eos = getattr(hf_config, "eos_token_id", None)
     ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])

@@ -15,6 +15,7 @@ import torch
 from engine.config import EngineConfig
 from models import load_model
 from models.attention import build_attention_metadata
+from models.gguf import checkpoint_dir
 from parallel.onednn import packed_bytes
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class ModelRunner:
 
         self.config = config
         self.device = resolve_device(config)
-        self.dtype = resolve_dtype(config, AutoConfig.from_pretrained(config.model), self.device)
+        self.dtype = resolve_dtype(config, AutoConfig.from_pretrained(checkpoint_dir(config.model)), self.device)
         self.model, self.hf_config = load_model(
             config.model,
             dtype=self.dtype,

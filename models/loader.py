@@ -1,6 +1,7 @@
-"""Build a model from a Hugging Face checkpoint directory and load its safetensors.
+"""Build a model from a Hugging Face checkpoint directory (or a GGUF file) and load its weights.
 
-Each checkpoint tensor goes to its parameter's `weight_loader` as a `LazyWeight` over
+A GGUF file is opened through its sidecar directory (models/gguf.py): the same config.json, and
+tensors read from the GGUF and dequantized instead of read from safetensors. Each checkpoint tensor goes to its parameter's `weight_loader` as a `LazyWeight` over
 safetensors' `get_slice`: the loader narrows it to this rank's shard and only that slice is
 read from the file, so a rank's loading memory falls with the number of ranks.
 
@@ -28,6 +29,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, PreTrainedConfig
 
 from models.decoder import DecoderForCausalLM
+from models.gguf import checkpoint_dir, iter_gguf, read_index
 from models.registry import get_model_class
 from parallel.layers import default_weight_loader
 from parallel.lazy_weight import LazyWeight
@@ -52,21 +54,21 @@ def load_model(
     quantization: str | None = None,
     cpu_weight_prepack: bool = False,
 ) -> tuple[DecoderForCausalLM, PreTrainedConfig]:
-    """Build the model for `model_dir/config.json` on this rank and load its weights.
+    """Build the model for `model_dir/config.json` (or a `.gguf` file) on this rank and load its weights.
 
     `quantization="int8"` quantizes the linear layers' weights once loaded (parallel/quantization.py);
     `cpu_weight_prepack` packs the others for oneDNN on CPU (parallel/onednn.py).
     Returns (model in eval mode without gradients, the transformers config).
     """
-    model_dir = Path(model_dir)
+    model_dir = Path(checkpoint_dir(model_dir))
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"model config not found: {model_dir / 'config.json'}")
     config = AutoConfig.from_pretrained(model_dir)
     model_class = get_model_class(config)
-    files = weight_files(model_dir)
+    tensors = checkpoint_tensors(model_dir)
     with _default_dtype(dtype), torch.device(device):
         model = model_class(config)
-    load_weights(model, files)
+    load_weights(model, tensors, model_dir)
     if quantization is not None:
         quantize_model(model, quantization)
     if cpu_weight_prepack and torch.device(device).type == "cpu":
@@ -99,6 +101,12 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+def checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, LazyWeight]]:
+    """(name, lazy tensor) of every tensor of the checkpoint: safetensors, or a GGUF's sidecar index."""
+    index = read_index(model_dir)
+    return iter_gguf(index) if index is not None else iter_checkpoint(weight_files(model_dir))
+
+
 def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, LazyWeight]]:
     """(name, lazy tensor) of every tensor; nothing is read until a weight loader copies a slice."""
     for file in files:
@@ -108,12 +116,14 @@ def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, LazyWeight]]:
 
 
 @torch.no_grad()
-def load_weights(model: DecoderForCausalLM, files: list[Path]) -> None:
+def load_weights(
+    model: DecoderForCausalLM, checkpoint: Iterator[tuple[str, LazyWeight]], model_dir: Path
+) -> None:
     params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
     loaded: dict[str, set] = defaultdict(set)
     # A progress bar for people at a terminal; logs of servers and Ray workers stay clean.
     quiet = not sys.stderr.isatty()
-    tensors = tqdm(iter_checkpoint(files), desc="loading weights", unit=" tensors", disable=quiet)
+    tensors = tqdm(checkpoint, desc="loading weights", unit=" tensors", disable=quiet)
     for name, tensor in tensors:
         target, kwargs = map_checkpoint_name(model, name)
         param = params.get(target)
@@ -122,7 +132,7 @@ def load_weights(model: DecoderForCausalLM, files: list[Path]) -> None:
         getattr(param, "weight_loader", default_weight_loader)(param, tensor, **kwargs)
         shard = kwargs.get("shard_id")
         loaded[target].add((kwargs["expert_id"], shard) if "expert_id" in kwargs else shard)
-    _check_complete(model, params, loaded, files[0].parent)
+    _check_complete(model, params, loaded, model_dir)
 
 
 def map_checkpoint_name(model: DecoderForCausalLM, name: str) -> tuple[str, dict]:
