@@ -54,7 +54,8 @@ class ModelRunner:
 
         self.config = config
         self.device = resolve_device(config)
-        self.dtype = resolve_dtype(config, AutoConfig.from_pretrained(checkpoint_dir(config.model)), self.device)
+        hf_config = AutoConfig.from_pretrained(checkpoint_dir(config.model))
+        self.dtype = resolve_dtype(config, hf_config, self.device)
         self.model, self.hf_config = load_model(
             config.model,
             dtype=self.dtype,

@@ -1,9 +1,9 @@
 """Build a model from a Hugging Face checkpoint directory (or a GGUF file) and load its weights.
 
-A GGUF file is opened through its sidecar directory (models/gguf.py): the same config.json, and
-tensors read from the GGUF and dequantized instead of read from safetensors. Each checkpoint tensor goes to its parameter's `weight_loader` as a `LazyWeight` over
-safetensors' `get_slice`: the loader narrows it to this rank's shard and only that slice is
-read from the file, so a rank's loading memory falls with the number of ranks.
+Each checkpoint tensor goes to its parameter's `weight_loader` as a `LazyWeight` over safetensors'
+`get_slice` (or over a GGUF file's bytes, opened through its sidecar directory: models/gguf.py):
+the loader narrows it to this rank's shard and only that slice is read from the file, so a rank's
+loading memory falls with the number of ranks.
 
 Checkpoint names map onto parameters by three rules, tried in order after the model's renames:
   - one expert's weight (`experts.{e}.w1.weight`, `experts.{e}.gate_proj.weight`, ...)
