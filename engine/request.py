@@ -88,9 +88,11 @@ class Request:
     def check_stop(self) -> RequestStatus | None:
         """Token-level stop conditions after a token was appended (stop strings are the detokenizer's)."""
         params, last = self.sampling_params, self.all_token_ids[-1]
-        if self.num_output_tokens < params.min_tokens:
-            return None
-        if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
+        # Before min_tokens the sampler masks stop tokens and EOS (engine/sampler.py), so one shows up
+        # here only where a grammar allowed nothing else. A grammar that has ended ends the request
+        # even then: it allows no further token.
+        stop_token = (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids
+        if stop_token and self.num_output_tokens >= params.min_tokens:
             self.stop_reason = last if last in params.stop_token_ids else None
             return RequestStatus.FINISHED_STOPPED
         if self.grammar is not None and self.grammar.is_terminated():

@@ -3,6 +3,11 @@
 Rows are handled in batches where settings allow (greedy rows with one argmax, unseeded
 random rows with one draw) and one by one only where a request owns a seeded generator,
 so a request's output depends on its seed alone, not on what it was batched with.
+
+`min_tokens`, as in vLLM: until a request has `min_tokens` output tokens, its stop token ids and
+(unless `ignore_eos`) every EOS id of the model are masked to -inf, so they cannot be sampled at all
+(greedy picks the best other token, as Hugging Face's `min_new_tokens` does). Reported logprobs stay
+those of the raw model distribution, before this mask, penalties and filters (vLLM's default).
 """
 
 from dataclasses import dataclass
@@ -38,6 +43,33 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
             counts = torch.bincount(torch.tensor(request.output_token_ids, dtype=torch.long), minlength=vocab)
             counts = counts[:vocab].to(logits.dtype)
             logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+
+
+def min_tokens_blocked(request: Request, num_output_tokens: int | None = None) -> list[int]:
+    """Token ids the request may not sample while it has `num_output_tokens` output tokens (default:
+    its current count): its stop token ids and EOS ids until `min_tokens` are out, else none."""
+    params = request.sampling_params
+    count = request.num_output_tokens if num_output_tokens is None else num_output_tokens
+    if count >= params.min_tokens:
+        return []
+    blocked = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        blocked |= request.eos_token_ids
+    return sorted(blocked)
+
+
+def mask_min_tokens(logits: torch.Tensor, request: Request, row: int, num_output_tokens: int) -> None:
+    """In place: -inf on the ids `min_tokens_blocked` names, on one row of logits. A row that the mask
+    would leave with no finite logit (a grammar that allows only EOS) is left as it is: the grammar wins."""
+    vocab = logits.shape[-1]
+    blocked = [t for t in min_tokens_blocked(request, num_output_tokens) if t < vocab]
+    if not blocked:
+        return
+    ids = torch.tensor(blocked, dtype=torch.long)
+    saved = logits[row, ids].clone()
+    logits[row, ids] = float("-inf")
+    if not torch.isfinite(logits[row]).any():
+        logits[row, ids] = saved
 
 
 def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -87,14 +119,18 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: [len(requests), vocab] float32 raw model logits (grammar masks already applied)."""
         raw = logits
-        if any(r.sampling_params.needs_penalties for r in requests):
+        blocked = [row for row, r in enumerate(requests) if min_tokens_blocked(r)]
+        if blocked or any(r.sampling_params.needs_penalties for r in requests):
             logits = logits.clone()
             apply_penalties(logits, requests)
+        for row in blocked:
+            mask_min_tokens(logits, requests[row], row, requests[row].num_output_tokens)
         token_ids = logits.argmax(dim=-1).tolist()
         for row, request in enumerate(requests):
             params = request.sampling_params
             if not params.greedy:
                 probs = _filter(logits[row], params)
                 token_ids[row] = _draw(probs, request.generator or self.generator)
-        # Logprobs are of the model's distribution (before penalties and filters), as vLLM reports by default.
+        # Logprobs are of the model's distribution (before min_tokens, penalties and filters), as vLLM
+        # reports by default (its "raw_logprobs" mode).
         return SamplerOutput(token_ids, _logprobs(raw, token_ids, requests))

@@ -10,12 +10,17 @@ it); on rejection a token is drawn from the residual (p - q)+ normalised and ver
 if every draft is accepted, a bonus token is drawn from p at the last position. Each emitted token
 then follows p exactly. The ngram proposer is a deterministic q (one-hot at d): accept with
 probability p(d), and the residual is p with d removed.
+
+`min_tokens` masks verification too: position i would be output token number n + i (n: the
+request's output tokens so far), so its row gets the same stop/EOS mask the plain sampler applies at
+that count. A draft that is EOS too early is then never accepted (p(EOS) = 0, not the argmax), and
+speculation stays exactly equivalent to decoding one token at a time.
 """
 
 import torch
 
 from engine.request import Request
-from engine.sampler import _draw, _filter
+from engine.sampler import _draw, _filter, mask_min_tokens, min_tokens_blocked
 
 
 class RejectionSampler:
@@ -33,6 +38,10 @@ class RejectionSampler:
         [k, vocab] the draft distribution each draft was drawn from (None: one-hot, e.g. ngram).
         Returns the accepted drafts followed by one token from the target (1 to k + 1 tokens)."""
         params = request.sampling_params
+        if min_tokens_blocked(request):
+            logits = logits.clone()  # a view of the step's logits: leave those as the model made them
+            for i in range(logits.shape[0]):
+                mask_min_tokens(logits, request, i, request.num_output_tokens + i)
         if params.greedy:
             return self._greedy(logits, draft_token_ids)
         generator = request.generator or self.generator
