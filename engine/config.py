@@ -47,10 +47,12 @@ class EngineConfig(BaseModel):
     def _expand_home(cls, path: str | None) -> str | None:
         return os.path.expanduser(path) if path else path
 
-    quantization: Literal["int8"] | None = Field(
+    quantization: Literal["int8", "int4"] | None = Field(
         None,
         description="int8: weight-only int8 (per-output-channel scales) for the linears, the embedding and "
-        "the LM head, quantized from the fp checkpoint at load time; norms and MoE experts stay in `dtype`.",
+        "the LM head, quantized from the fp checkpoint at load time; norms and MoE experts stay in `dtype`. "
+        "int4: weight-only 4-bit for the linears, a scale and zero per 32 inputs (GGUF's Q4_1 blocks, kept "
+        "exactly), torch's CPU int4 kernel for decode-sized batches; embedding and LM head int8.",
     )
     cpu_weight_prepack: bool = Field(
         True,

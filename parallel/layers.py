@@ -21,7 +21,7 @@ from torch import nn
 
 from parallel import onednn
 from parallel.lazy_weight import LazyWeight, materialize
-from parallel.quantization import int8_linear
+from parallel.quantization import quantized_embedding, quantized_linear
 from parallel.state import (
     get_tp_rank,
     get_tp_size,
@@ -73,7 +73,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    # "int8" once `parallel.quantization.quantize_linear_` swapped `weight` for `qweight` + `weight_scale`.
+    # "int8" or "int4" once `parallel.quantization.quantize_linear_` swapped `weight` for its quantized form.
     quantization: str | None = None
     # The weight in oneDNN's layout once `parallel.onednn.prepack_model` packed it (CPU).
     packed_weight: torch.Tensor | None = None
@@ -87,7 +87,7 @@ class LinearBase(nn.Module):
             return onednn.linear(x, self.packed_weight, bias)
         if self.quantization is None:
             return F.linear(x, self.weight, bias)
-        y = int8_linear(x, self.qweight, self.weight_scale)
+        y = quantized_linear(self, x)
         return y + bias if bias is not None else y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -288,15 +288,14 @@ class VocabParallelEmbedding(nn.Module):
     def embed(self, local_ids: torch.Tensor) -> torch.Tensor:
         if self.quantization is None:
             return F.embedding(local_ids, self.weight)
-        scale = self.weight_scale[local_ids, None]
-        return F.embedding(local_ids, self.qweight).to(scale.dtype) * scale
+        return quantized_embedding(self, local_ids)
 
     def matmul(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
             return onednn.linear(hidden, self.packed_weight)
         if self.quantization is None:
             return F.linear(hidden, self.weight)
-        return int8_linear(hidden, self.qweight, self.weight_scale)
+        return quantized_linear(self, hidden)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

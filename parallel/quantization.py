@@ -1,4 +1,4 @@
-"""Weight-only int8 quantization of the parallel linear layers.
+"""Weight-only int8 and int4 quantization of the parallel linear layers.
 
 Each output channel (row of a rank's [out, in] weight shard) gets one scale, absmax / 127, so
 `w ~= w_int8 * scale[:, None]`; activations stay in the model dtype. The weights are loaded in the
@@ -11,13 +11,25 @@ nothing more.
 The Column/Row/QKV/Merged linears, the vocabulary embedding and the LM head (one per-row scale per
 vocabulary entry, shared when the two are tied) are quantized; norms, the MoE router and the fused
 MoE experts stay in the model dtype.
+
+int4 (parallel/int4.py) is group-wise (32 input features per scale and zero, GGUF's Q4_1 block) for
+the linears; a layer whose rank shard is not a whole number of groups wide (or whose output rows do
+not fill the kernel's 16-row tiles) takes int8 instead, with a warning. The embedding and LM head
+take `INT4_VOCAB_METHOD` (see there).
 """
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZATION_METHODS = ("int8",)
+from parallel.int4 import GROUP_SIZE, Int4Weight, int4_embedding, int4_linear, kernel_available
+
+QUANTIZATION_METHODS = ("int8", "int4")
+# What `quantization="int4"` does with the embedding and the LM head (tied in most small models).
+INT4_VOCAB_METHOD = "int8"
+logger = logging.getLogger(__name__)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,21 +75,50 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> 
     return y.reshape(*shape[:-1], qweight.shape[0])
 
 
-def quantize_linear_(layer: nn.Module, shared: dict | None = None) -> None:
-    """Swap a loaded layer's [out, in] `weight` for `qweight` (int8) + `weight_scale` (per row), in
-    place, freeing the fp weight. `shared` maps already quantized weights to their int8 form, so a
-    weight tied between two layers (embedding and LM head) stays one tensor."""
+def quantize_linear_(layer: nn.Module, shared: dict | None = None, method: str = "int8") -> None:
+    """Swap a loaded layer's [out, in] `weight` for its quantized form, in place, freeing the fp weight:
+    int8: `qweight` (int8) + `weight_scale` (per row); int4: `int4` (an `Int4Weight`). `shared` maps
+    already quantized weights to their quantized form, so a weight tied between two layers (embedding
+    and LM head) stays one tensor."""
     shared = {} if shared is None else shared
     weight = layer.weight
-    if id(weight) not in shared:
-        qweight, scale = quantize_int8(weight.data)
-        shared[id(weight)] = (
-            nn.Parameter(qweight, requires_grad=False),
-            nn.Parameter(scale, requires_grad=False),
-        )
+    key = (id(weight), method)
+    if key not in shared:
+        if method == "int4":
+            shared[key] = Int4Weight(weight.data)
+        else:
+            qweight, scale = quantize_int8(weight.data)
+            shared[key] = (
+                nn.Parameter(qweight, requires_grad=False),
+                nn.Parameter(scale, requires_grad=False),
+            )
     del layer.weight
-    layer.qweight, layer.weight_scale = shared[id(weight)]
-    layer.quantization = "int8"
+    if method == "int4":
+        layer.int4 = shared[key]
+    else:
+        layer.qweight, layer.weight_scale = shared[key]
+    layer.quantization = method
+
+
+def int4_fits(weight: torch.Tensor) -> bool:
+    """Whether a rank's [out, in] weight shard can take the int4 kernel."""
+    out_features, in_features = weight.shape
+    return in_features % GROUP_SIZE == 0 and (out_features % 16 == 0 or not kernel_available())
+
+
+def quantized_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x @ W.T for a layer that `quantize_linear_` quantized."""
+    if layer.quantization == "int4":
+        return int4_linear(x, layer.int4)
+    return int8_linear(x, layer.qweight, layer.weight_scale)
+
+
+def quantized_embedding(layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a quantized embedding table, dequantized to the model's dtype."""
+    if layer.quantization == "int4":
+        return int4_embedding(ids, layer.int4)
+    scale = layer.weight_scale[ids, None]
+    return F.embedding(ids, layer.qweight).to(scale.dtype) * scale
 
 
 def quantize_model(model: nn.Module, method: str) -> int:
@@ -90,6 +131,20 @@ def quantize_model(model: nn.Module, method: str) -> int:
     kinds = (LinearBase, VocabParallelEmbedding)
     layers = [m for m in model.modules() if isinstance(m, kinds) and not isinstance(m, ReplicatedLinear)]
     shared: dict = {}
+    narrow = []
     for layer in layers:
-        quantize_linear_(layer, shared)
+        layer_method = method
+        if method == "int4" and isinstance(layer, VocabParallelEmbedding):
+            layer_method = INT4_VOCAB_METHOD
+        if layer_method == "int4" and not int4_fits(layer.weight):
+            layer_method = "int8"
+            narrow.append(tuple(layer.weight.shape))
+        quantize_linear_(layer, shared, layer_method)
+    if narrow:
+        logger.warning(
+            "int4: %d layers whose shard is not a multiple of %d inputs (or 16 outputs) wide took int8: %s",
+            len(narrow),
+            GROUP_SIZE,
+            sorted(set(narrow)),
+        )
     return len(layers)

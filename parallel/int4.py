@@ -1,0 +1,147 @@
+"""Weight-only int4 with group-wise scale and zero: GGUF's Q4_1 kept in 4 bits at run time on CPU.
+
+Each group of 32 consecutive input features of one output row gets an asymmetric 4-bit code:
+`w = q * scale + minimum` with q in 0..15, `minimum` the group's smallest value and
+`scale = (max - min) / 15`. That is exactly llama.cpp's Q4_1 block, so re-quantizing a dequantized
+Q4_1 weight recovers its q, d and m (tests/unit/test_quantization.py checks it on the shipped GGUF):
+int4 of a Q4_1 file loses nothing the file had not already lost.
+
+The matmul is torch's CPU weight-only int4 kernel, `_weight_int4pack_mm_for_cpu` (gpt-fast's
+"tinygemm" layout): the weight packed once by `_convert_weight_to_int4pack_for_cpu`, and per group
+and output row a (scale, zero) pair with `w = (q - 8) * scale + zero`, so zero = minimum + 8 * scale.
+On x86 only its bfloat16 instantiation is vectorized (AVX2 and AVX-512); float32 activations take a
+scalar loop 20-100x slower, so they go through the kernel in bfloat16, as the int8 path does.
+
+The kernel re-dequantizes a 64-column block of the weight for every 4 rows of activations, so it
+is the fast choice while a step reads weights (decode: few tokens) and a slow one when it computes
+(prefill: hundreds of tokens). From `DENSE_MIN_TOKENS` tokens on, a call dequantizes the weight into
+a transient dense tensor and runs an ordinary matmul (`raylane bench linears --int4` measures where
+the two cross). That path reads a row-major copy of the 4-bit codes (`qweight_rows`, half a byte per
+weight, never read by decode), which the embedding also gathers its rows from.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUP_SIZE = 32
+# Tokens in a call from which dequantize-then-matmul beats the int4 kernel (bench/README.md, int4).
+DENSE_MIN_TOKENS = 48
+_PROBED: dict[str, bool] = {}
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, ...]:
+    """[out, in] float weight -> (codes uint8 [out, in] in 0..15, scale and minimum float32
+    [out, in / group_size]), with `weight ~= codes * scale + minimum` group by group (Q4_1's rule)."""
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(
+            f"int4: input width {in_features} is not a multiple of the group size {group_size}; "
+            "this layer (or its tensor-parallel shard) cannot be quantized to int4"
+        )
+    w = weight.detach().float().reshape(out_features, in_features // group_size, group_size)
+    minimum = w.amin(dim=-1)
+    scale = (w.amax(dim=-1) - minimum) / 15
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    codes = torch.round((w - minimum[..., None]) * inverse[..., None]).clamp_(0, 15).to(torch.uint8)
+    return codes.reshape(out_features, in_features), scale, minimum
+
+
+def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """Inverse of `quantize_int4` (float32)."""
+    groups = scale.shape[-1]
+    w = codes.reshape(*codes.shape[:-1], groups, -1).float() * scale[..., None] + minimum[..., None]
+    return w.reshape(codes.shape)
+
+
+def pack_rows(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [out, in] -> two per byte [out, in / 2] (low nibble first), row-major."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_rows`; works on any leading shape (the embedding gathers rows first)."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
+
+
+class Int4Weight(nn.Module):
+    """One rank's int4 weight: the kernel's packed layout (what decode reads) and the row-major codes
+    (the dense path and the embedding), with float32 scale and minimum per group.
+
+    A module of frozen parameters, so `model.parameters()` counts its bytes and a weight tied between
+    the embedding and the LM head stays one object. `scales_and_zeros` is [in / group, out, 2] in
+    bfloat16, the kernel's dtype.
+    """
+
+    def __init__(self, weight: torch.Tensor, group_size: int = GROUP_SIZE):
+        super().__init__()
+        codes, scale, minimum = quantize_int4(weight, group_size)
+        self.group_size = group_size
+        self.dtype = weight.dtype  # the model's: what the embedding and the dense path return
+        self.out_features, self.in_features = codes.shape
+        self.rows = _frozen(pack_rows(codes))
+        self.scale, self.minimum = _frozen(scale), _frozen(minimum)
+        self.register_parameter("packed", None)
+        self.register_parameter("scales_and_zeros", None)
+        if kernel_available() and self.out_features % 16 == 0:  # the kernel tiles output rows by 16
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+            self.packed = _frozen(packed)
+            zero = minimum + 8 * scale
+            self.scales_and_zeros = _frozen(torch.stack((scale.t(), zero.t()), dim=-1).to(torch.bfloat16))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_int4(unpack_rows(self.rows), self.scale, self.minimum).to(dtype)
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.contiguous(), requires_grad=False)
+
+
+def kernel_available() -> bool:
+    """Whether torch has the CPU int4 kernel and it computes (q - 8) * scale + zero as expected
+    (probed once; a torch whose layout or convention changed falls back to the dense path)."""
+    if "cpu" not in _PROBED:
+        try:
+            g = torch.Generator().manual_seed(0)
+            codes = torch.randint(0, 16, (16, 64), generator=g, dtype=torch.int32)
+            scale, zero = torch.rand(2, 16, generator=g) + 0.5, torch.randn(2, 16, generator=g)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            sz = torch.stack((scale, zero), dim=-1).to(torch.bfloat16)
+            x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, sz)
+            w = (codes.float() - 8) * sz[..., 0].float().t().repeat_interleave(32, 1)
+            w = w + sz[..., 1].float().t().repeat_interleave(32, 1)
+            _PROBED["cpu"] = torch.allclose(y.float(), x.float() @ w.t(), rtol=0.02, atol=0.5)
+        except (AttributeError, RuntimeError, NotImplementedError):
+            _PROBED["cpu"] = False
+    return _PROBED["cpu"]
+
+
+def dense_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the dense path's transient weight: bfloat16 where the CPU multiplies it natively
+    (AVX512-BF16: 3-4x float32's speed at prefill sizes), else the activations' dtype."""
+    if dtype == torch.float32 and torch.cpu._is_avx512_bf16_supported():
+        return torch.bfloat16
+    return dtype
+
+
+def int4_linear(x: torch.Tensor, weight: Int4Weight, dense_min_tokens: int | None = None) -> torch.Tensor:
+    """x [..., in] @ W.T for an `Int4Weight` W, in x's dtype; the int4 kernel below
+    `dense_min_tokens` rows (default `DENSE_MIN_TOKENS`), dequantize-then-matmul from there."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    threshold = DENSE_MIN_TOKENS if dense_min_tokens is None else dense_min_tokens
+    if weight.packed is not None and x.device.type == "cpu" and x2.shape[0] < threshold:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2.to(torch.bfloat16).contiguous(), weight.packed, weight.group_size, weight.scales_and_zeros
+        ).to(x.dtype)
+    else:
+        dtype = dense_dtype(x.dtype)
+        y = F.linear(x2.to(dtype), weight.dequantize(dtype)).to(x.dtype)
+    return y.reshape(*shape[:-1], weight.out_features)
+
+
+def int4_embedding(ids: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    """Rows `ids` of the dequantized weight in the model's dtype (only those rows are unpacked)."""
+    codes = unpack_rows(F.embedding(ids, weight.rows))
+    return dequantize_int4(codes, weight.scale[ids], weight.minimum[ids]).to(weight.dtype)
