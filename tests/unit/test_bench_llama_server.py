@@ -249,3 +249,9 @@ def test_a_server_that_exits_at_start_is_reported_with_its_log(tmp_path, gguf, c
     log = Path(err.split("see ")[-1].strip())
     assert "unknown argument" in log.read_text()
     os.unlink(log)
+
+
+def test_a_packaged_model_name_stands_for_its_gguf_file(tmp_path):
+    path = compare.gguf_file(Path("smollm2-135m-instruct"))
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+    assert compare.gguf_file(tmp_path / "mine.gguf") == tmp_path / "mine.gguf"  # a path stays a path
