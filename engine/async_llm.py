@@ -16,6 +16,7 @@ import itertools
 import queue
 import threading
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -56,7 +57,10 @@ class _ThreadCore:
 
     def shutdown(self) -> None:
         self._commands.put(("stop",))
-        self._thread.join(timeout=10)
+        # The finalizer of a dropped AsyncLLM can run on this very thread (in an event callback):
+        # the loop then sees "stop" as soon as that callback returns.
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
         self.engine.shutdown()
 
 
@@ -68,16 +72,27 @@ class AsyncLLM:
         self._pending: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count()
         self._error: str | None = None
+        # The core's thread must not keep this object alive: it gets a weak callback, and dropping the
+        # AsyncLLM stops the core (thread or process) and releases its ranks through the finalizer.
+        on_events = _weak_callback(self._on_events)
         if placement_group is None and self.config.uses_core_process:
             from engine.core_proc import EngineCoreProc
 
-            self._core = EngineCoreProc(self.config, self._on_events)
+            self._core = EngineCoreProc(self.config, on_events)
             self.engine: LLMEngine | None = None  # it lives in the core process
-            self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
         else:
-            self._core = _ThreadCore(self.config, placement_group, self._on_events)
+            self._core = _ThreadCore(self.config, placement_group, on_events)
             self.engine = self._core.engine
-            self.tokenizer = self.engine.tokenizer
+        self._finalizer = weakref.finalize(self, self._core.shutdown)
+        try:
+            self.tokenizer = (
+                self.engine.tokenizer
+                if self.engine is not None
+                else load_tokenizer(self.config.tokenizer or self.config.model)
+            )
+        except BaseException:
+            self._finalizer()
+            raise
         self.max_model_len: int = self._core.max_model_len
 
     @classmethod
@@ -162,7 +177,22 @@ class AsyncLLM:
             await asyncio.to_thread(self.engine.check_health)
 
     def shutdown(self) -> None:
-        self._core.shutdown()
+        """Stop the engine core (thread or process) and release its ranks; idempotent. Requests in
+        flight and later calls end with `EngineDeadError`."""
+        self._finalizer()
+        self._fail("engine is shut down")
+
+    async def __aenter__(self) -> "AsyncLLM":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def __enter__(self) -> "AsyncLLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     # -- commands out, events in ---------------------------------------------------------------
 
@@ -226,6 +256,18 @@ class AsyncLLM:
         _deliver(failures)
         for done in pending.values():
             _call_soon(done.get_loop(), _set_future, done, None, EngineDeadError(message))
+
+
+def _weak_callback(method: Callable[[list[Event]], None]) -> Callable[[list[Event]], None]:
+    """`method` (bound) without a strong reference to its object; calls after it is gone do nothing."""
+    ref = weakref.WeakMethod(method)
+
+    def call(events: list[Event]) -> None:
+        target = ref()
+        if target is not None:
+            target(events)
+
+    return call
 
 
 def _deliver(deliveries: dict[asyncio.AbstractEventLoop, list]) -> None:

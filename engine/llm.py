@@ -11,8 +11,22 @@ Prompt = str | list[int]
 
 
 class LLM:
+    """`with LLM(...) as llm:` or `llm.shutdown()` releases the engine's ranks (Ray actors and the
+    placement group they hold) at a known point; an LLM that is dropped releases them when the
+    garbage collector frees its engine (the engine's finalizer)."""
+
     def __init__(self, model: str, **engine_args):
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+
+    def shutdown(self) -> None:
+        """Release the engine's resources now; idempotent. Later `generate` calls raise `EngineDeadError`."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

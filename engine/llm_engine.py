@@ -11,6 +11,7 @@ import itertools
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +81,16 @@ class LLMEngine:
         (default: the current one, e.g. a Serve replica's, else one the executor creates)."""
         self.config = config
         self.executor = make_executor(config, placement_group)
+        # Dropping the engine releases its ranks (actors, placement group) without shutdown(): the
+        # finalizer holds the executor, not self. A failed start below releases them at once.
+        self._finalizer = weakref.finalize(self, self.executor.shutdown)
+        try:
+            self._init_core(config)
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def _init_core(self, config: EngineConfig) -> None:
         self.runner = getattr(self.executor, "runner", None)  # the in-process ModelRunner, if any
         self.hf_config = self.executor.hf_config
         self._dead: BaseException | None = None
@@ -301,8 +312,11 @@ class LLMEngine:
         return error
 
     def shutdown(self) -> None:
-        """Release the worker group (Ray actors, placement group); no-op in-process."""
-        self.executor.shutdown()
+        """Release the worker group (Ray actors, placement group; nothing to release in-process).
+        Idempotent; later steps and `check_health()` raise `EngineDeadError`."""
+        if self._dead is None:
+            self._dead = EngineDeadError("engine is shut down")
+        self._finalizer()
 
     def _apply_grammar(self, logits: torch.Tensor, requests: list[Request]) -> None:
         rows = [i for i, r in enumerate(requests) if r.grammar is not None]

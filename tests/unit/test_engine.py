@@ -292,3 +292,38 @@ def test_engine_core_process_needs_the_in_process_executor(llama):
     assert not EngineConfig(model=llama, distributed_executor_backend="ray").uses_core_process
     with pytest.raises(ValueError, match="engine_core"):
         EngineConfig(model=llama, engine_core="process", tensor_parallel_size=2)
+
+
+def test_dropped_async_engine_stops_its_core_process(llama):
+    """Dropping an AsyncLLM without shutdown() ends its engine core process (its finalizer), and
+    shutdown() may be called any number of times."""
+    import gc
+
+    with LLM(llama, num_kv_blocks=64) as llm:
+        expected = llm.generate([[5, 6, 7]], greedy(3))[0].outputs[0].token_ids
+    engine = AsyncLLM(model=llama, num_kv_blocks=64, engine_core="process")
+    process = engine._core.process
+    assert asyncio.run(_tokens(engine)) == expected
+    del engine
+    gc.collect()
+    assert process.wait(timeout=30) == 0
+    with AsyncLLM(model=llama, num_kv_blocks=64, engine_core="process") as second:
+        process = second._core.process
+    assert process.poll() == 0
+    second.shutdown()
+
+
+async def _tokens(engine: AsyncLLM) -> list[int]:
+    tokens: list[int] = []
+    async for out in engine.generate([5, 6, 7], greedy(3)):
+        tokens = out.outputs[0].token_ids
+    return tokens
+
+
+def test_shut_down_llm_refuses_to_generate(llama):
+    from engine import EngineDeadError
+
+    with LLM(llama, num_kv_blocks=64) as llm:
+        assert len(llm.generate([[5, 6, 7]], greedy(3))[0].outputs[0].token_ids) == 3
+    with pytest.raises(EngineDeadError, match="shut down"):
+        llm.generate([[5, 6, 7]], greedy(3))
