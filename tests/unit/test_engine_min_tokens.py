@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from engine import LLM, SamplingParams
 from engine.request import Request
+from engine.sampler import mask_min_tokens
 from engine.spec_decode import RejectionSampler
 from tests.hf_models import VOCAB_SIZE, make_checkpoint
 from tests.unit.test_spec_decode import NGRAM, repeating_prompts, windowed  # noqa: F401 (a fixture)
@@ -156,3 +157,17 @@ def test_spec_decode_greedy_with_min_tokens_equals_plain(windowed):  # noqa: F81
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == expected
     assert any(e[:4] != s[:4] for e, s in zip(expected, spans, strict=True))  # the mask changed output
     assert spec.engine.spec_decode_stats.num_accepted_tokens > 0
+
+
+def test_a_grammar_that_allows_only_eos_still_ends_the_request():
+    """When the grammar is complete (only EOS allowed), masking EOS too would leave nothing to sample:
+    the grammar wins, as the request cannot continue validly."""
+    eos = 3
+    request = Request("r", [1, 2], SamplingParams(min_tokens=5), eos_token_ids=frozenset({eos}))
+    grammar_done = torch.full((1, 8), float("-inf"))
+    grammar_done[0, eos] = 0.0
+    mask_min_tokens(grammar_done, request, 0, 0)
+    assert grammar_done[0, eos] == 0.0
+    free = torch.zeros(1, 8)
+    mask_min_tokens(free, request, 0, 0)
+    assert free[0, eos] == float("-inf") and torch.isfinite(free[0, :eos]).all()
