@@ -3,6 +3,12 @@
 `OpenAIError` is raised anywhere in the gateway or a pool and travels between them (it pickles);
 the gateway turns it into a JSON response with its status. Other failures become a 5xx of the same
 shape, never a bare 500.
+
+Ownership: an `OpenAIError` with a 4xx status is the client's (`is_client_error`). A pool yields it
+as its first item or raises it; raised, it crosses the Serve handle inside Ray's `RayTaskError`
+(an instance of both, with the original as `.cause`), and `client_error()` finds it either way.
+The gateway answers it as it is: never retried on another pool, never counted by a circuit
+breaker or a pool's error metrics.
 """
 
 from __future__ import annotations
@@ -31,6 +37,10 @@ class OpenAIError(Exception):
         self.param = param
         self.code = code
 
+    @property
+    def is_client_error(self) -> bool:
+        return 400 <= self.status < 500
+
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
@@ -40,6 +50,21 @@ class OpenAIError(Exception):
 
 def _restore(message, status, type, param, code) -> OpenAIError:
     return OpenAIError(message, status=status, type=type, param=param, code=code)
+
+
+def cause_of(error: BaseException) -> BaseException:
+    """The exception a pool raised, unwrapped from Ray's `RayTaskError` where it crossed a handle."""
+    from ray.exceptions import RayTaskError
+
+    if isinstance(error, RayTaskError) and isinstance(error.cause, BaseException):
+        return error.cause
+    return error
+
+
+def client_error(error: BaseException) -> OpenAIError | None:
+    """The client's error (a 4xx `OpenAIError`) that `error` is or carries, else None."""
+    cause = cause_of(error)
+    return cause if isinstance(cause, OpenAIError) and cause.is_client_error else None
 
 
 def _default_type(status: int) -> str:

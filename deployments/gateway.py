@@ -9,7 +9,11 @@ and the tier's priority. The pool's first item decides the response: an `OpenAIE
 JSON response, or the first SSE event of a stream, which is then relayed as it comes. A pool that
 fails before its first item (an error, a 503, a prompt longer than its context window) hands the
 request to the next pool of the chain; after the first item nothing is retried (a failing stream
-ends with an error event). Responses carry `x-raylane-route`, `-pool`, `-tier` and, where it
+ends with an error event). What the client got wrong (a 4xx, yielded or raised by the pool) is
+answered at once: no fallback, no circuit-breaker count. An error that may be the request's own
+(not an outage) is counted against the pool only once another pool has done otherwise: the same
+failure in two pools marks a poisoned request, answered then without trying more pools and
+counted by no breaker. Responses carry `x-raylane-route`, `-pool`, `-tier` and, where it
 happened, `x-raylane-fallback`. When the client goes away, the pool call is cancelled; the pool's
 generator aborts the engine request. A background task checks each pool every
 `gateway.pool_health_period_s`; a pool that does not answer is skipped until it does.
@@ -25,6 +29,7 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -37,6 +42,8 @@ from cluster.config import ClusterConfig
 from deployments.drain import RETRY_AFTER_S, DrainWatcher
 from deployments.errors import (
     OpenAIError,
+    cause_of,
+    client_error,
     from_validation_error,
     internal_error,
     invalid,
@@ -61,8 +68,9 @@ from deployments.openapi import publish, route_docs
 from deployments.request_body import read_json_object
 from deployments.request_log import RequestLogMiddleware, note_summary, note_trailing_summary, router_timed
 from deployments.routing import build_router
-from deployments.sampling import chat_params, completion_params
+from deployments.sampling import chat_params, completion_params, grammar_param
 from engine import EngineDeadError
+from engine.grammar_compiler import BoundedWorker, GrammarTimeout
 from router import DispatchPlan, FallbackReason, Principal, Resolution, RouterError, Slot
 from router.errors import ContextLengthError
 
@@ -124,6 +132,8 @@ def pool_failure(error: BaseException) -> OpenAIError:
 
     if isinstance(error, OpenAIError):
         return error
+    if (client := client_error(error)) is not None:
+        return client
     if isinstance(error, EngineDeadError):
         return unavailable(f"The model pool's engine failed: {error}")
     if isinstance(error, BackPressureError):
@@ -132,6 +142,41 @@ def pool_failure(error: BaseException) -> OpenAIError:
         return unavailable("The model pool is unavailable; retry later.")
     logger.error("model pool call failed: %r", error)
     return internal_error(f"The model pool failed: {type(error).__name__}.")
+
+
+@dataclass(slots=True)
+class PoolFailure:
+    """A pool that failed before its first item: why (for the chain), what the client would be told,
+    and, where the failure may be the request's doing, its signature (type and message), by which
+    the same failure in another pool is recognised."""
+
+    pool: str
+    reason: FallbackReason
+    error: OpenAIError
+    signature: str | None = None  # None: the pool's health (outage, dead engine), never the request's
+
+
+def failure_signature(error: BaseException | OpenAIError) -> str | None:
+    """What a failure looks like, for comparing two pools' failures; None when it is about the pool's
+    health (unreachable, overloaded, engine dead), which says nothing about the request."""
+    from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    if isinstance(error, OpenAIError):
+        return f"{error.code}: {error.message}"[:300] if error.status == 500 else None
+    cause = cause_of(error)
+    health = (EngineDeadError, BackPressureError, DeploymentUnavailableError, TimeoutError, GetTimeoutError)
+    if isinstance(cause, (*health, RayActorError, ActorUnavailableError)):
+        return None
+    return f"{type(cause).__name__}: {cause}"[:300]
+
+
+def poisoned(first: PoolFailure, second: PoolFailure) -> OpenAIError:
+    return internal_error(
+        f"The request failed the same way in pools {first.pool!r} and {second.pool!r} "
+        f"({second.signature}), so it was not sent to more pools: its content triggers a server "
+        "error. Please report it with the x-request-id."
+    )
 
 
 class PoolOutage(Exception):
@@ -251,6 +296,7 @@ class Gateway:
         torch.set_num_threads(1)  # the classifier's short inputs: a second thread spin-waits on shared cores
         self.router = build_router(self.config)  # logs loudly when no API key is configured (open mode)
         self._watcher: asyncio.Task | None = None
+        self.grammar_worker: BoundedWorker | None = None  # started by the first request with a grammar
         self.outages: dict[str, asyncio.Event] = {}  # set while the health loop finds the pool down
         context = serve.get_replica_context()
         self.drain = DrainWatcher(context.app_name, context.replica_id.unique_id)
@@ -263,7 +309,7 @@ class Gateway:
     async def chat_completions(self, request: Request) -> Response:
         principal = self.authenticate(request)
         req = await parse_body(request, ChatCompletionRequest, self.config.gateway.max_request_body_bytes)
-        params, tools = chat_params(req)
+        params, tools = await self.prepare(chat_params, req)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         resolution = await router_timed(self.router.resolve_async(req.model, messages))
         request_id = uuid.uuid4().hex
@@ -281,7 +327,7 @@ class Gateway:
         principal = self.authenticate(request)
         req = await parse_body(request, CompletionRequest, self.config.gateway.max_request_body_bytes)
         self.check_batch(len(req.prompts()))
-        params = completion_params(req)
+        params = await self.prepare(completion_params, req)
         texts = [p for p in req.prompts() if isinstance(p, str)]
         resolution = await router_timed(
             self.router.resolve_async(req.model, [{"role": "user", "content": t} for t in texts])
@@ -374,6 +420,26 @@ class Gateway:
         if prompts > limit:
             raise invalid("prompt", f"A batch may hold at most {limit} prompts, got {prompts}.")
 
+    async def prepare(self, fn, req):
+        """`fn(req)`: the request's sampling parameters. With a grammar (a schema, regex, EBNF, tool
+        definitions) the checks and builds that can take exponential time run in a bounded worker
+        process: past `GRAMMAR_TIMEOUT_S` the request gets a 400 naming the field and this event
+        loop never waited on it. Without one, here (microseconds)."""
+        param = grammar_param(req)
+        if param is None:
+            return fn(req)
+        if self.grammar_worker is None:
+            self.grammar_worker = BoundedWorker(preload=("deployments.sampling",))
+        try:
+            return await self.grammar_worker.run(fn, req)
+        except GrammarTimeout as e:
+            raise invalid(
+                param,
+                f"Invalid '{param}': too complex: checking it was stopped, {e}. Simplify the schema, "
+                "regex or grammar (nesting, alternatives, repetition counts).",
+                code="grammar_too_complex",
+            ) from None
+
     def model_cards(self) -> list[ModelCard]:
         cards = [ModelCard(id=p.model_id, created=self.created) for p in self.config.pools]
         if self.config.embeddings.enabled:
@@ -414,6 +480,22 @@ class Gateway:
                 "n", f"n must be at most {first_pool.max_n} for model {resolution.model!r}, got {n}."
             )
         plan = self.router.plan(principal, resolution)
+        suspects: list[tuple[Slot, PoolFailure]] = []  # failures not yet counted against their pool
+        try:
+            return await self._walk(plan, principal, streaming, request_id, start, suspects)
+        finally:
+            for suspect, _ in suspects:  # no other pool failed the same way: they were the pools'
+                suspect.blame()
+
+    async def _walk(
+        self,
+        plan: DispatchPlan,
+        principal: Principal,
+        streaming: bool,
+        request_id: str,
+        start,
+        suspects: list[tuple[Slot, PoolFailure]],
+    ) -> Response:
         rejected: OpenAIError | None = None  # a pool's context-length answer, if every pool gives one
         while True:
             try:
@@ -426,16 +508,32 @@ class Gateway:
                 return JSONResponse(e.to_openai(), status_code=e.status, headers=headers | e.headers())
             call = start(self.pools[slot.pool].options(stream=True), plan.priority)
             first = await self.first_item(call, slot, plan)
-            if first is None:
-                continue  # the pool failed before answering: fall back
+            if isinstance(first, PoolFailure):
+                if first.reason is FallbackReason.SATURATED:
+                    continue  # reported already: busy, not broken
+                twin = next((f for _, f in suspects if f.signature == first.signature), None)
+                if first.signature is None:
+                    slot.failed(first.reason)  # the pool's health: counted now
+                elif twin is None:
+                    slot.suspect(first.reason)
+                    suspects.append((slot, first))
+                else:  # the same failure twice: the request's, not the pools'
+                    slot.forgive()
+                    for suspect, _ in suspects:
+                        suspect.forgive()
+                    logger.error("request %s is poisoned: %s", request_id, first.signature)
+                    return error_response(
+                        poisoned(twin, first), plan.headers() | {"x-request-id": request_id}
+                    )
+                continue  # fall back
             if isinstance(first, OpenAIError) and first.code == "context_length_exceeded":
-                slot.succeeded()  # the pool is fine; the prompt is too long for it
+                slot.client_error()  # the pool is fine; the prompt is too long for it
                 plan.chain.leave(FallbackReason.CONTEXT_LENGTH)
                 rejected = first
                 continue
             headers = plan.headers() | {"x-request-id": request_id}
-            if isinstance(first, OpenAIError):
-                slot.succeeded()
+            if isinstance(first, OpenAIError):  # the client's (4xx): answered as it is
+                slot.client_error()
                 return error_response(first, headers)
             if not streaming:
                 if isinstance(first, FinalItem):
@@ -459,35 +557,38 @@ class Gateway:
                 headers=headers | SSE_HEADERS,
             )
 
-    async def first_item(self, call, slot: Slot, plan: DispatchPlan) -> str | OpenAIError | None:
-        """The pool's first item, or None after reporting a failure that the chain may fall back from."""
+    async def first_item(self, call, slot: Slot, plan: DispatchPlan) -> str | OpenAIError | PoolFailure:
+        """The pool's first item (a client error raised by the pool counts as one), or the failure the
+        chain may fall back from (not yet reported on the slot, except saturation)."""
+        pool = slot.pool
         try:
-            first = await self.first_or_outage(call, slot.pool)
+            first = await self.first_or_outage(call, pool)
         except PoolOutage:
             call.cancel()
-            logger.warning("pool %s went down before answering", slot.pool)
-            slot.failed(FallbackReason.UNHEALTHY)
-            return None
+            logger.warning("pool %s went down before answering", pool)
+            return PoolFailure(pool, FallbackReason.UNHEALTHY, unavailable(f"The pool {pool} is down."))
         except asyncio.CancelledError:
             call.cancel()
             slot.abandoned()
             raise
         except StopAsyncIteration:
-            logger.error("pool %s returned nothing", slot.pool)
-            slot.failed(FallbackReason.ERROR)
-            return None
+            logger.error("pool %s returned nothing", pool)
+            return PoolFailure(
+                pool, FallbackReason.ERROR, internal_error(f"The pool {pool} returned nothing.")
+            )
         except Exception as e:
+            if (client := client_error(e)) is not None:
+                return client
             if is_backpressure(e):  # Serve's queue for the pool is full: busy, not broken
                 slot.abandoned()
                 plan.chain.leave(FallbackReason.SATURATED)
-            else:
-                logger.warning("pool %s failed before answering: %s", slot.pool, pool_failure(e).message)
-                slot.failed(FallbackReason.ERROR)
-            return None
+                return PoolFailure(pool, FallbackReason.SATURATED, pool_failure(e))
+            error = pool_failure(e)
+            logger.warning("pool %s failed before answering: %s", pool, error.message)
+            return PoolFailure(pool, FallbackReason.ERROR, error, failure_signature(e))
         if isinstance(first, OpenAIError) and first.status >= 500:
-            logger.warning("pool %s failed before answering: %s", slot.pool, first.message)
-            slot.failed(FallbackReason.ERROR)
-            return None
+            logger.warning("pool %s failed before answering: %s", pool, first.message)
+            return PoolFailure(pool, FallbackReason.ERROR, first, failure_signature(first))
         return first
 
     async def first_or_outage(self, call, pool: str):

@@ -28,6 +28,7 @@ from deployments.openai_schemas import ChatCompletionRequest, CompletionRequest
 from deployments.sampling import ToolPlan
 from deployments.serving import DONE, OpenAIServing
 from engine import AsyncLLM, SamplingParams
+from engine.grammar_compiler import GrammarCompileService, tokenizer_info_json
 
 logger = logging.getLogger(__name__)
 HEALTH_PROBE_TIMEOUT_S = 10.0
@@ -46,7 +47,9 @@ class ModelPool:
         self.metrics = PoolMetrics(self.pool.name, self.pool.model_id)
         self.reporter = MetricsReporter(self.metrics, self._gauges)
         metered = MeteredLLM(self.llm, self.metrics)
-        self.serving = OpenAIServing(metered, self.pool.model_id, self.llm.max_model_len)
+        # A client's grammar compiles in a worker process, bounded in time, not on the engine loop.
+        self.grammar = GrammarCompileService(lambda: self.llm.run_in_engine(tokenizer_info_json))
+        self.serving = OpenAIServing(metered, self.pool.model_id, self.llm.max_model_len, self.grammar)
 
     async def chat(
         self,
@@ -117,3 +120,6 @@ class ModelPool:
         llm = getattr(self, "llm", None)
         if llm is not None:
             llm.shutdown()
+        grammar = getattr(self, "grammar", None)
+        if grammar is not None:
+            grammar.close()

@@ -5,7 +5,11 @@ A client decides how much it sends and how deeply it nests it, so both are bound
 Content-Length before a byte is read, or, sent chunked without one, as soon as the bytes read pass
 the limit (the rest is never read). JSON nested deeper than `MAX_JSON_DEPTH` is a 400: Python's
 decoder and the validators after it recurse per level and would otherwise fail with RecursionError
-(a 500) on a few kilobytes of brackets.
+(a 500) on a few kilobytes of brackets. Text that is not Unicode is a 400 naming where it is: JSON's
+`\\ud800` escapes decode to lone UTF-16 surrogates, which no tokenizer can encode (the HF tokenizers
+are Rust and take UTF-8: they raise TypeError on them, and would fail the request in every pool).
+Tested against the shipped tokenizer: NUL, other control characters, noncharacters, BOMs and
+unassigned code points all encode; lone surrogates are the only text they refuse.
 """
 
 from __future__ import annotations
@@ -58,7 +62,45 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
         raise invalid(None, "The request body must be a JSON object.", code="invalid_json")
     if nesting_depth(data, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise too_deep()
+    if (where := unencodable_text(data)) is not None:
+        raise invalid(
+            where or None,
+            f"Invalid '{where or 'body'}': the text holds a lone UTF-16 surrogate (an unpaired "
+            "\\ud800-\\udfff escape), which is not Unicode text and cannot be tokenized.",
+            code="invalid_encoding",
+        )
     return data
+
+
+def unencodable_text(value: Any) -> str | None:
+    """Where the first string (value or key) that UTF-8 cannot encode is, as `messages[0].content`
+    ('' for the value itself); None when every string is valid Unicode. Iterative, like
+    `nesting_depth`, and cheap for ASCII."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if not _encodable(item):
+                return path
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                where = f"{path}.{key}" if path else str(key)
+                if not _encodable(key):
+                    return path or where.encode("utf-8", "backslashreplace").decode()
+                stack.append((child, where))
+        elif isinstance(item, list):
+            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(item))
+    return None
+
+
+def _encodable(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def too_deep() -> OpenAIError:

@@ -103,6 +103,17 @@ def _sampling_params(
         raise from_engine_value_error(e) from None
 
 
+def grammar_param(req: SamplingRequest) -> str | None:
+    """The request field whose grammar work (schema checks, grammar builds) the request asks for, or
+    None when it asks for none: that work is what the gateway bounds (engine.grammar_compiler)."""
+    if isinstance(req, ChatCompletionRequest):
+        if isinstance(req.response_format, ResponseFormatJsonObject | ResponseFormatJsonSchema):
+            return "response_format"
+        if req.tools:
+            return "tools"
+    return "structured_outputs" if req.structured_outputs is not None else None
+
+
 def _default(value, default):
     return default if value is None else value
 

@@ -39,9 +39,10 @@ from deployments.openai_schemas import (
     TopLogprob,
     Usage,
 )
-from deployments.sampling import ToolPlan
+from deployments.sampling import ToolPlan, grammar_param
 from deployments.tool_calls import ContentDelta, ToolCallStreamParser, parse_tool_calls
 from engine import AsyncLLM, EngineDeadError, RequestOutput, RequestOutputKind, SamplingParams
+from engine.grammar_compiler import GrammarCompileService
 from engine.outputs import CompletionOutput
 
 DONE = "data: [DONE]\n\n"
@@ -52,11 +53,16 @@ def sse(payload) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, model_id: str, max_model_len: int) -> None:
+    def __init__(
+        self, llm: AsyncLLM, model_id: str, max_model_len: int, grammar: GrammarCompileService | None = None
+    ) -> None:
+        """`grammar`: compiles requests' grammars off the engine loop, bounded; without it the engine
+        compiles them itself."""
         self.llm = llm
         self.model_id = model_id
         self.max_model_len = max_model_len
         self.tokenizer = llm.tokenizer
+        self.grammar = grammar
 
     # -- chat -----------------------------------------------------------------------------------
 
@@ -75,6 +81,7 @@ class OpenAIServing:
             self.check_length(len(prompt_ids), params.max_tokens, "messages", output)
             kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
             engine_params = params.clone(output_kind=kind)
+            await self._compile(engine_params, grammar_param(req))
             first, gen = await self._start(prompt_ids, engine_params, request_id, "messages", priority)
         except OpenAIError as e:
             yield e
@@ -108,7 +115,7 @@ class OpenAIServing:
             )
         except Exception as e:  # jinja errors, raise_exception() in a template
             raise invalid("messages", f"The chat template rejected the messages: {e}") from None
-        return tokenizer.encode(text, add_special_tokens=False)
+        return _encode(tokenizer, text, "messages")
 
     def _chat_response(
         self, final: RequestOutput, params: SamplingParams, plan: ToolPlan, response_id: str, created: int
@@ -229,6 +236,7 @@ class OpenAIServing:
             prompts = [self._prompt_ids(p) for p in req.prompts()]
             for ids in prompts:
                 self.check_length(len(ids), params.max_tokens, "prompt")
+            await self._compile(params, grammar_param(req))
             for k, ids in enumerate(prompts):
                 started.append(await self._start(ids, params, f"{request_id}-{k}", "prompt", priority))
         except OpenAIError as e:
@@ -259,7 +267,7 @@ class OpenAIServing:
             return prompt
         if self.tokenizer is None:
             raise invalid("prompt", f"{self.model_id} has no tokenizer; send token ids.")
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return _encode(self.tokenizer, prompt, "prompt")
 
     def _prompt_text(self, prompt: str | list[int]) -> str:
         if isinstance(prompt, str) or self.tokenizer is None:
@@ -363,6 +371,16 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
 
+    async def _compile(self, params: SamplingParams, param: str | None) -> None:
+        """Compile the request's grammar in the bounded worker (engine.grammar_compiler), so the
+        engine loop only deserializes it; a grammar that is too complex is the client's 400."""
+        if self.grammar is None or params.structured is None:
+            return
+        try:
+            await self.grammar.prepare(params.structured)
+        except ValueError as e:
+            raise invalid(param, f"Invalid '{param}': {str(e).split(': ', 1)[-1]}") from None
+
     async def _start(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, param: str, priority: int = 0
     ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
@@ -376,6 +394,16 @@ class OpenAIServing:
         except EngineDeadError as e:
             raise unavailable(f"The model pool's engine failed: {e}") from None
         return first, gen
+
+
+def _encode(tokenizer, text: str, param: str) -> list[int]:
+    """Token ids of `text`; text the tokenizer refuses (the gateway lets through only valid Unicode,
+    but a pool may be called directly) is the client's error, not the pool's."""
+    try:
+        return tokenizer.encode(text, add_special_tokens=False)
+    except (TypeError, ValueError, UnicodeError) as e:
+        message = f"The tokenizer cannot encode the {param}: {e}"
+        raise invalid(param, message, code="invalid_encoding") from None
 
 
 def _engine_failure(error: EngineDeadError, streaming: bool) -> OpenAIError | str:

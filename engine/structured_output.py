@@ -5,6 +5,11 @@ a cache of compiled grammars); each constrained request owns a `GrammarMatcherSt
 sampling, the engine asks the states for a bitmask of allowed next tokens and applies it to the
 logits rows; after sampling it feeds the chosen token back with `accept_token`. Once the grammar
 is complete xgrammar only allows stop tokens; accepting one terminates the matcher.
+
+A client's grammar can cost exponential time to check, build and compile; the serving path does
+that work in a bounded worker process (`engine.grammar_compiler`) and passes the result here as
+`StructuredOutputParams.compiled`, so the engine loop only deserializes it. Constructing the
+params with `check=False` skips the (unbounded) check for a caller that runs `validate()` there.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import json
 import os
 import re
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +27,7 @@ import xgrammar as xgr
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _FIELDS = ("json_object", "json_schema", "regex", "grammar")
+MAX_GRAMMAR_CHARS = 128 * 1024  # a schema, regex or grammar text; real ones are a few KiB
 # xgrammar errors start with "[hh:mm:ss] /path/file.cc:123: "; clients need only the rest.
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
@@ -40,6 +46,9 @@ class StructuredOutputParams:
     regex: str | None = None
     grammar: str | None = None  # EBNF (GBNF dialect), root rule `root`
     whitespace_flexible: bool = True  # JSON: allow any whitespace; False = compact `,` and `:`
+    check: bool = field(default=True, repr=False, compare=False)  # False: the caller runs validate()
+    # xgrammar's serialized CompiledGrammar for the engine's tokenizer (engine.grammar_compiler)
+    compiled: str | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         chosen = [f for f in _FIELDS if getattr(self, f) not in (None, False)]
@@ -47,15 +56,26 @@ class StructuredOutputParams:
             raise ValueError(
                 f"structured: exactly one of {', '.join(_FIELDS)} must be set, got {chosen or 'none'}"
             )
-        field = chosen[0]
-        if field == "json_schema":
+        kind = chosen[0]
+        if kind == "json_schema":
             self.json_schema = _parse_schema(self.json_schema)
-        elif not isinstance(getattr(self, field), bool if field == "json_object" else str):
-            raise ValueError(f"structured.{field}: wrong type {type(getattr(self, field)).__name__}")
-        try:  # build (not compile) the grammar: tokenizer-independent and quick
-            self._to_grammar()
+        elif not isinstance(getattr(self, kind), bool if kind == "json_object" else str):
+            raise ValueError(f"structured.{kind}: wrong type {type(getattr(self, kind)).__name__}")
+        if (size := len(self.key()[1])) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"structured.{kind}: too large: {size} characters, at most {MAX_GRAMMAR_CHARS}")
+        if self.check:
+            self.validate()
+
+    def validate(self) -> xgr.Grammar:
+        """Check the schema and build (not compile) the grammar, tokenizer-independent; ValueError
+        naming the field. Quick for real grammars, unbounded for hostile ones (see the module doc)."""
+        kind = self.kind
+        if kind == "json_schema":
+            _check_schema(self.json_schema)
+        try:
+            return self._to_grammar()
         except RuntimeError as e:
-            raise ValueError(f"structured.{field}: {_clean(e)}") from None
+            raise ValueError(f"structured.{kind}: {_clean(e)}") from None
 
     @property
     def kind(self) -> str:
@@ -120,15 +140,18 @@ def _parse_schema(schema: Any) -> dict[str, Any]:
             raise ValueError(f"structured.json_schema: not valid JSON: {e}") from None
     if not isinstance(schema, dict):
         raise ValueError(f"structured.json_schema: must be a JSON object, got {type(schema).__name__}")
+    return schema
+
+
+def _check_schema(schema: dict[str, Any]) -> None:
     try:  # jsonschema (a Ray dependency) gives clearer messages than xgrammar for bad keywords
         import jsonschema
     except ImportError:
-        return schema
+        return
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
         raise ValueError(f"structured.json_schema: {e.message}") from None
-    return schema
 
 
 class GrammarMatcherState:
@@ -206,7 +229,10 @@ class StructuredOutputManager:
             self._cache.move_to_end(key)
             return hit
         try:
-            compiled = self.compiler.compile_grammar(params._to_grammar())
+            if params.compiled is not None:  # compiled (and bounded) off this loop
+                compiled = xgr.CompiledGrammar.deserialize_json(params.compiled, self.tokenizer_info)
+            else:
+                compiled = self.compiler.compile_grammar(params._to_grammar())
         except RuntimeError as e:
             raise ValueError(f"structured.{params.kind}: {_clean(e)}") from None
         self._cache[key] = compiled

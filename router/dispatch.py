@@ -28,6 +28,7 @@ class Slot:
     ticket: Ticket
     plan: "DispatchPlan"
     done: bool = False
+    pending: bool = False  # a suspected failure the breaker has not been told of yet
 
     @property
     def waited_s(self) -> float:
@@ -46,6 +47,36 @@ class Slot:
     def abandoned(self) -> None:
         """Nothing was learnt about the pool (the client went away before it answered)."""
         self._finish(lambda breaker: breaker.release_probe())
+
+    def client_error(self) -> None:
+        """The pool refused the request as the client's mistake (a 4xx): that says nothing about the
+        pool's health, so the breaker counts neither a failure nor a success (a stream of bad
+        requests must not keep a failing pool's circuit closed either)."""
+        self._finish(lambda breaker: breaker.release_probe())
+
+    def suspect(self, reason: FallbackReason = FallbackReason.ERROR) -> None:
+        """The pool failed before its first item in a way that may be the request's own doing (an
+        error, not an outage). The slot is freed and the chain moves on now; the breaker hears of it
+        only through `blame()` (another pool did otherwise) or not at all, `forgive()` (another pool
+        failed the same way: a poisoned request, not a sick pool)."""
+        if not self.done:
+            self.done = self.pending = True
+            self.ticket.release()
+            self.plan.chain.leave(reason)
+
+    def blame(self) -> None:
+        """A suspected failure was the pool's after all: the breaker counts it."""
+        if self.pending:
+            self.pending = False
+            self.plan.breakers[self.pool].record_failure()
+
+    def forgive(self) -> None:
+        """The failure was the request's: the slot (if still held) is freed and nothing is counted."""
+        if self.pending:
+            self.pending = False
+            self.plan.breakers[self.pool].release_probe()
+        else:
+            self.client_error()
 
     def _finish(self, report: Callable[[CircuitBreaker], None]) -> None:
         if not self.done:

@@ -1,5 +1,6 @@
 """Which pools a request's `model` means: a pool by name or served model id, or `auto` -> the classifier."""
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -7,6 +8,7 @@ from cluster.router_config import AUTO_MODELS, RouterConfig
 from router.classifier import RouteDecision
 from router.errors import UnknownModelError
 
+logger = logging.getLogger(__name__)
 DIRECT_ROUTE = "direct"  # route reported for a named pool that no route starts from
 
 
@@ -49,7 +51,7 @@ class ModelResolver:
 
     def resolve(self, model: str, messages: list[dict]) -> Resolution:
         if model in AUTO_MODELS and self._classify is not None:
-            decision = self._classify(messages)
+            decision = self._decide(messages)
             route = self._config.route(decision.route)
             return Resolution(model, route.name, (route.pool, *route.fallbacks), decision)
         pool = self._by_name.get(model)
@@ -60,6 +62,15 @@ class ModelResolver:
             return Resolution(model, DIRECT_ROUTE, (pool,))
         fallbacks = tuple(route.fallbacks) if self._config.fallback_for_named_models else ()
         return Resolution(model, route.name, (pool, *fallbacks))
+
+    def _decide(self, messages: list[dict]) -> RouteDecision:
+        """The classifier's decision; if it fails on this text, the default route: the content is the
+        pool's to judge (a 400 if it cannot be served), and a classifier bug must not become a 500."""
+        try:
+            return self._classify(messages)
+        except Exception:
+            logger.exception("the classifier failed on a request; routing it to the default route")
+            return RouteDecision(self._config.default_route, None, 0.0, "default")
 
     def model_names(self) -> list[str]:
         """Every `model` value this router accepts, for /v1/models and error messages."""

@@ -2,6 +2,7 @@
 
 import asyncio
 
+from deployments.errors import invalid
 from deployments.model_pool import ModelPool
 
 
@@ -9,14 +10,20 @@ class FaultyPool(ModelPool):
     """fault None: a normal pool; "hold": requests wait (holding their gateway slot) until the fault
     is cleared; "error": requests fail before their first item; "down": stats fail too, as a pool
     without a live replica looks to the gateway; "linger": after its last item a request's stream
-    stays open until the fault is cleared."""
+    stays open until the fault is cleared; "client_error": requests are refused by raising (not
+    yielding) a 400 before their first item; "poison": requests whose body holds the word POISON
+    raise an internal error (a bug some content triggers), the others are served."""
 
     fault: str | None = None
 
     def set_fault(self, fault: str | None) -> None:
         self.fault = fault
 
-    async def _gate(self) -> None:
+    async def _gate(self, request=None) -> None:
+        if self.fault == "client_error":
+            raise invalid("messages", "injected fault: the pool refuses these messages")
+        if self.fault == "poison" and request is not None and "POISON" in request.model_dump_json():
+            raise KeyError("injected fault: this content crashes the pool")
         while self.fault == "hold":
             await asyncio.sleep(0.05)
         if self.fault in ("error", "down"):
@@ -27,13 +34,13 @@ class FaultyPool(ModelPool):
             await asyncio.sleep(0.05)
 
     async def chat(self, *args, **kwargs):
-        await self._gate()
+        await self._gate(args[0])
         async for item in super().chat(*args, **kwargs):
             yield item
         await self._linger()
 
     async def completions(self, *args, **kwargs):
-        await self._gate()
+        await self._gate(args[0])
         async for item in super().completions(*args, **kwargs):
             yield item
         await self._linger()

@@ -184,3 +184,41 @@ def test_model_names_list_auto_pools_and_ids():
         "chat",
         "chatter-8b",
     ]
+
+
+async def test_client_errors_and_poisoned_requests_are_not_counted_by_the_breaker():
+    router = make_router()
+    principal = router.authenticate(bearer("sk-premium"))
+    for _ in range(5):  # the pool refused the client's request: nothing about its health
+        (await router.plan(principal, router.resolve("coding", [])).next_slot()).client_error()
+    for _ in range(5):  # failed the same way in two pools: the request's fault, forgiven in both
+        plan = router.plan(principal, router.resolve("coding", []))
+        first = await plan.next_slot()
+        first.suspect()
+        second = await plan.next_slot()
+        assert second.pool != "coding" and router.pool_load("coding").in_flight == 0
+        second.forgive()  # frees its slot too
+        first.forgive()
+        assert router.pool_load(second.pool).in_flight == 0
+    assert router.circuit_state("coding") is CircuitState.CLOSED
+    assert router.breakers["coding"].failures == 0
+    for _ in range(2):  # a suspect the next pool served is blamed: the pool's failure after all
+        plan = router.plan(principal, router.resolve("coding", []))
+        first = await plan.next_slot()
+        first.suspect()
+        (await plan.next_slot()).succeeded()
+        first.blame()
+        first.blame()  # reported once
+    assert router.circuit_state("coding") is CircuitState.OPEN
+
+
+async def test_a_classifier_that_fails_on_a_text_routes_it_to_the_default_route():
+    class Broken:
+        def classify(self, messages):
+            raise TypeError("TextEncodeInput must be Union[TextInputSequence, ...]")
+
+    config = RouterConfig(circuit_breaker=CircuitBreakerConfig(failure_threshold=2, cooldown_s=30))
+    pools = [PoolSpec("coding"), PoolSpec("reasoning"), PoolSpec("chat")]
+    router = Router(config, default_tiers(), KEYS, pools, classifier=Broken())
+    resolution = await router.resolve_async("auto", [{"role": "user", "content": "x"}])
+    assert resolution.route == config.default_route and resolution.decision.method == "default"

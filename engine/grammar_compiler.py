@@ -1,0 +1,204 @@
+"""Grammar work a client controls, bounded: off the event loop, off the engine loop, within a time limit.
+
+A client's JSON schema, regex or EBNF grammar can cost exponential time to check and compile
+(measured with the demo tokenizer: `anyOf` nested 12 deep took 13 s in `jsonschema`'s schema
+check, 2.3 s to build and 23 s to compile; an enum of 20 strings of 2,000 characters compiled in
+17 s). So that work runs in a `BoundedWorker`, a separate process, one call at a time: a call that
+passes its time limit kills the worker (a C++ compile cannot be interrupted any other way), its
+caller gets `GrammarTimeout`, and the next call starts a fresh worker, forked from a forkserver
+that has imported xgrammar already, so the restart takes milliseconds, not the seconds of a cold
+`import torch`.
+
+Two callers: the gateway checks and builds a request's grammar there (`run`) before any pool sees
+it, and a pool compiles it there (`GrammarCompileService.prepare`) with the engine's own tokenizer
+info and hands the serialized result to the engine in `StructuredOutputParams.compiled`, which the
+engine deserializes (bounded by `MAX_COMPILED_BYTES`: ~0.3 s for 2 MiB here) instead of compiling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import threading
+from collections import OrderedDict
+from typing import Any
+
+GRAMMAR_TIMEOUT_S = 5.0  # one check or compile, CPU time of one core in the worker
+START_TIMEOUT_S = 180.0  # a cold forkserver imports torch + xgrammar (tens of seconds on a busy 2-core box)
+MAX_COMPILED_BYTES = 2 * 1024 * 1024  # serialized compiled grammar the engine loop may deserialize
+
+
+class GrammarTimeout(Exception):
+    """The call did not finish within its limit; the worker that ran it was killed."""
+
+
+class BoundedWorker:
+    """One worker process running picklable calls `fn(*args)` with a time limit, one at a time.
+
+    Callers on one event loop take turns (an asyncio lock); the blocking wait for the answer runs on
+    a thread, so the loop keeps serving. `initializer(*initargs)` runs once in each new worker.
+    """
+
+    def __init__(
+        self,
+        initializer=None,
+        initargs: tuple = (),
+        timeout_s: float = GRAMMAR_TIMEOUT_S,
+        preload: tuple[str, ...] = ("engine.structured_output",),
+    ):
+        """`preload`: modules the forkserver imports once (the first worker of the process sets it)."""
+        self.initializer, self.initargs, self.timeout_s = initializer, initargs, timeout_s
+        self.preload = preload
+        self._process = None
+        self._conn = None
+        self._lock: asyncio.Lock | None = None
+        self.restarts = 0  # workers killed for running past their limit
+
+    async def run(self, fn, *args, timeout_s: float | None = None) -> Any:
+        """`fn(*args)` in the worker; its exception is re-raised here; GrammarTimeout past the limit."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            return await asyncio.to_thread(self._call, fn, args, timeout_s or self.timeout_s)
+
+    def _call(self, fn, args: tuple, timeout_s: float) -> Any:
+        if self._process is None or not self._process.is_alive():
+            self._start()
+        self._conn.send((fn, args))
+        if not self._conn.poll(timeout_s):
+            self._kill()
+            self.restarts += 1
+            raise GrammarTimeout(f"not done within {timeout_s:g} s")
+        ok, value = self._conn.recv()
+        if not ok:
+            raise value
+        return value
+
+    def _start(self) -> None:
+        ctx = _context(self.preload)
+        parent, child = ctx.Pipe()
+        self._process = ctx.Process(
+            target=_serve, args=(child, self.initializer, self.initargs), daemon=True, name="grammar-worker"
+        )
+        self._process.start()
+        child.close()
+        self._conn = parent
+        if not parent.poll(START_TIMEOUT_S):  # the initializer's "ready"
+            self._kill()
+            raise RuntimeError(f"the grammar worker did not start within {START_TIMEOUT_S:g} s")
+        parent.recv()
+
+    def _kill(self) -> None:
+        if self._process is not None:
+            self._process.kill()
+            self._process.join(5)
+        if self._conn is not None:
+            self._conn.close()
+        self._process = self._conn = None
+
+    def close(self) -> None:
+        self._kill()
+
+
+_ctx_lock = threading.Lock()
+_ctx = None
+
+
+def _context(preload: tuple[str, ...]):
+    """A forkserver context that preloads xgrammar: new workers are forks of a process that has it."""
+    global _ctx
+    with _ctx_lock:
+        if _ctx is None:
+            _ctx = multiprocessing.get_context("forkserver")
+            _ctx.set_forkserver_preload(list(preload))
+        return _ctx
+
+
+def _serve(conn, initializer, initargs) -> None:
+    if initializer is not None:
+        initializer(*initargs)
+    conn.send("ready")
+    while True:
+        try:
+            fn, args = conn.recv()
+        except EOFError:
+            return
+        try:
+            result = (True, fn(*args))
+        except Exception as e:
+            result = (False, e)
+        try:
+            conn.send(result)
+        except Exception:  # a result or exception that does not pickle: its text
+            conn.send((False, RuntimeError(f"{type(result[1]).__name__}: {result[1]}")))
+
+
+# -- compiling for one model's engine ----------------------------------------------------------------
+
+_compiler = None  # the worker's xgrammar GrammarCompiler, for the model whose tokenizer info it got
+
+
+def _init_compiler(tokenizer_info_json: str) -> None:
+    global _compiler
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
+    _compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+def compile_serialized(params) -> str:
+    """In the worker: check, build and compile `params` (a `StructuredOutputParams`); the compiled
+    grammar as xgrammar's JSON."""
+    from engine.structured_output import _clean
+
+    grammar = params.validate()
+    try:
+        compiled = _compiler.compile_grammar(grammar)
+    except RuntimeError as e:
+        raise ValueError(f"structured.{params.kind}: {_clean(e)}") from None
+    return compiled.serialize_json()
+
+
+def tokenizer_info_json(engine) -> str:
+    """Run in the engine (`AsyncLLM.run_in_engine`): its grammar tokenizer info, serialized."""
+    return engine.structured_output.tokenizer_info.serialize_json()
+
+
+class GrammarCompileService:
+    """A pool's bounded compiler: the engine's tokenizer info (fetched once), a worker, and an LRU of
+    compiled grammars by their cache key, so a schema used again costs nothing here."""
+
+    def __init__(self, fetch_tokenizer_info, timeout_s: float = GRAMMAR_TIMEOUT_S, cache_size: int = 64):
+        self._fetch = fetch_tokenizer_info  # async () -> str
+        self.timeout_s = timeout_s
+        self._worker: BoundedWorker | None = None
+        self._cache: OrderedDict[tuple, str] = OrderedDict()
+        self._cache_size = cache_size
+
+    async def prepare(self, params) -> None:
+        """Set `params.compiled` (a `StructuredOutputParams`); ValueError naming `structured.<kind>`
+        when it does not compile, is too large, or takes longer than the limit."""
+        key = params.key()
+        if (hit := self._cache.get(key)) is None:
+            if self._worker is None:
+                self._worker = BoundedWorker(_init_compiler, (await self._fetch(),), self.timeout_s)
+            try:
+                hit = await self._worker.run(compile_serialized, params)
+            except GrammarTimeout:
+                raise ValueError(
+                    f"structured.{params.kind}: too complex: it did not compile within {self.timeout_s:g} s"
+                ) from None
+            if len(hit) > MAX_COMPILED_BYTES:
+                raise ValueError(
+                    f"structured.{params.kind}: too large: it compiles to {len(hit)} bytes, "
+                    f"at most {MAX_COMPILED_BYTES}"
+                )
+            self._cache[key] = hit
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
+        params.compiled = hit
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
