@@ -21,9 +21,9 @@ another kind of endpoint is another `EndpointSource`.
 A side may also be llama.cpp's `llama-server` on a GGUF file, the CPU anchor (bench/llama_server.py
 builds it once into a cache and starts it on a free port with `-np 16 -t 2`, stopped on exit):
 
-    raylane bench compare --config-a bench/configs/smollm2-compare.yaml \\
-        --llama-server-b smollm2-135m-instruct --dataset sharegpt --sharegpt-output-len 128 \\
-        --sharegpt-max-len 512 --num-prompts 8 --repeats 2 --concurrency 1,4,16
+    raylane bench compare --llama-server-a smollm2-135m-instruct \\
+        --config-b bench/configs/smollm2-compare.yaml --label-b raylane --dataset sharegpt \\
+        --sharegpt-output-len 128 --sharegpt-max-len 512 --num-prompts 8 --repeats 2 --concurrency 1,4,16
 
 Both sides get the same messages and `max_tokens`; with `--ignore-eos` (the default) both run every
 answer to exactly `max_tokens` (raylane and vLLM read `ignore_eos`; llama-server reads the same field
