@@ -27,8 +27,9 @@ from torch import nn
 from parallel.int4 import GROUP_SIZE, Int4Weight, int4_embedding, int4_linear, kernel_available
 
 QUANTIZATION_METHODS = ("int8", "int4")
-# What `quantization="int4"` does with the embedding and the LM head (tied in most small models).
-INT4_VOCAB_METHOD = "int8"
+# What `quantization="int4"` does with the embedding and the LM head (tied in most small models):
+# "int8", "int4", or None (they stay in the model dtype).
+INT4_VOCAB_METHOD: str | None = "int8"
 logger = logging.getLogger(__name__)
 
 
@@ -131,15 +132,18 @@ def quantize_model(model: nn.Module, method: str) -> int:
     kinds = (LinearBase, VocabParallelEmbedding)
     layers = [m for m in model.modules() if isinstance(m, kinds) and not isinstance(m, ReplicatedLinear)]
     shared: dict = {}
-    narrow = []
+    narrow, quantized = [], 0
     for layer in layers:
         layer_method = method
         if method == "int4" and isinstance(layer, VocabParallelEmbedding):
             layer_method = INT4_VOCAB_METHOD
+            if layer_method is None:
+                continue
         if layer_method == "int4" and not int4_fits(layer.weight):
             layer_method = "int8"
             narrow.append(tuple(layer.weight.shape))
         quantize_linear_(layer, shared, layer_method)
+        quantized += 1
     if narrow:
         logger.warning(
             "int4: %d layers whose shard is not a multiple of %d inputs (or 16 outputs) wide took int8: %s",
@@ -147,4 +151,4 @@ def quantize_model(model: nn.Module, method: str) -> int:
             GROUP_SIZE,
             sorted(set(narrow)),
         )
-    return len(layers)
+    return quantized
