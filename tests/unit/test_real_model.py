@@ -1,0 +1,134 @@
+"""The real default model, SmolLM2-135M-Instruct from its GGUF file, against Hugging Face transformers
+loading the same file: weights, tokenizer, greedy tokens and logprobs, across the engine's settings."""
+
+import pytest
+import torch
+
+from cluster.packaged_models import packaged_model_path
+from engine import LLM, SamplingParams
+from models.gguf import checkpoint_dir, iter_gguf, read_index
+
+NEW_TOKENS = 24
+# Written for this test: short, everyday and coding questions, so answers are ordinary text.
+CHATS = [
+    "What is the capital of France?",
+    "Write a Python function that returns the square of a number.",
+    "Give me three tips for sleeping better.",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 plus 30?",
+    "Explain what a prime number is in one sentence.",
+]
+LOGPROB_TOL = 2e-3  # float32 on both sides; the order of additions differs (oneDNN vs torch's BLAS)
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    return packaged_model_path("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def hf_model(gguf_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(gguf_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True)[
+            "input_ids"
+        ]
+        for c in CHATS
+    ]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_model, chat_prompts):
+    """(tokens, per-step log-softmax) of transformers' greedy answer to each chat, EOS ignored."""
+    hf_model.generation_config.eos_token_id = None
+    results = []
+    for prompt in chat_prompts:
+        ids = torch.tensor([prompt])
+        gen = hf_model.generate(
+            ids,
+            # Explicit: the pad id is <|im_end|>, which the chat template uses, and generate would mask it.
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=2,
+        )
+        results.append(
+            (
+                gen.sequences[0, len(prompt) :].tolist(),
+                [torch.log_softmax(s[0].float(), -1) for s in gen.logits],
+            )
+        )
+    return results
+
+
+def test_every_tensor_equals_transformers_dequantized_weight(gguf_path, hf_model):
+    """Dequantization and llama.cpp's q/k row permutation undone, as transformers reads the file."""
+    hf = hf_model.state_dict()
+    index = read_index(checkpoint_dir(gguf_path))
+    names = []
+    for name, weight in iter_gguf(index):
+        assert torch.equal(weight.load(), hf[name]), name
+        names.append(name)
+    assert len(names) == 272  # 30 layers x 9 tensors + embedding + final norm (the LM head is tied)
+
+
+def test_a_rank_reads_only_its_rows_of_a_permuted_projection(gguf_path, hf_model):
+    """Tensor parallelism narrows q/k by heads: the rows read must be the same as the whole, sliced."""
+    index = read_index(checkpoint_dir(gguf_path))
+    q = dict(iter_gguf(index))["model.layers.5.self_attn.q_proj.weight"]
+    whole = hf_model.state_dict()["model.layers.5.self_attn.q_proj.weight"]
+    assert torch.equal(q.narrow(0, 192, 192).narrow(1, 64, 32).load(), whole[192:384, 64:96])
+    assert torch.equal(q.narrow(0, 100, 50).load(), whole[100:150])  # not head-aligned
+
+
+def test_tokenizer_and_chat_template_come_from_the_file(gguf_path, chat_prompts):
+    from engine.llm_engine import load_tokenizer
+
+    tokenizer = load_tokenizer(str(gguf_path))
+    text = tokenizer.apply_chat_template([{"role": "user", "content": CHATS[0]}], add_generation_prompt=True)
+    assert text["input_ids"] == chat_prompts[0]
+    assert tokenizer.decode(chat_prompts[0]).endswith("<|im_start|>assistant\n")
+
+
+ENGINE_SETTINGS = {
+    "prefix-caching": dict(enable_prefix_caching=True),
+    "no-prefix-caching": dict(enable_prefix_caching=False),
+    "chunked-prefill": dict(max_num_batched_tokens=16, block_size=4),  # every prompt in chunks
+}
+
+
+@pytest.mark.parametrize("setting", list(ENGINE_SETTINGS))
+def test_float32_greedy_tokens_and_logprobs_match_transformers(setting, gguf_path, chat_prompts, hf_greedy):
+    with LLM(str(gguf_path), num_kv_blocks=256, **ENGINE_SETTINGS[setting]) as llm:
+        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
+        # The last chat runs after the others: with prefix caching its template prefix is cached.
+        outputs = llm.generate(chat_prompts[:-1], params) + llm.generate(chat_prompts[-1:], params)
+    for out, (hf_tokens, hf_logprobs) in zip(outputs, hf_greedy, strict=True):
+        completion = out.outputs[0]
+        assert completion.token_ids == hf_tokens
+        for step, entry in enumerate(completion.logprobs):
+            for token_id, lp in entry.items():
+                assert lp.logprob == pytest.approx(hf_logprobs[step][token_id].item(), abs=LOGPROB_TOL)
+    if setting != "no-prefix-caching":
+        assert outputs[-1].num_cached_tokens > 0  # the system prompt of the template came from the cache
+
+
+def test_the_model_answers_the_question(gguf_path):
+    with LLM(str(gguf_path), num_kv_blocks=64) as llm:
+        out = llm.chat([{"role": "user", "content": CHATS[0]}], SamplingParams(temperature=0, max_tokens=16))
+    assert "Paris" in out[0].outputs[0].text
+    assert out[0].outputs[0].finish_reason == "stop"  # it ends its turn with <|im_end|>
