@@ -42,7 +42,7 @@ from deployments.openai_schemas import (
 from deployments.sampling import ToolPlan, grammar_param
 from deployments.tool_calls import ContentDelta, ToolCallStreamParser, parse_tool_calls
 from engine import AsyncLLM, EngineDeadError, RequestOutput, RequestOutputKind, SamplingParams
-from engine.grammar_compiler import GrammarCompileService
+from engine.grammar_compiler import GrammarCompileService, GrammarTooComplex
 from engine.outputs import CompletionOutput
 
 DONE = "data: [DONE]\n\n"
@@ -379,7 +379,8 @@ class OpenAIServing:
         try:
             await self.grammar.prepare(params.structured)
         except ValueError as e:
-            raise invalid(param, f"Invalid '{param}': {str(e).split(': ', 1)[-1]}") from None
+            code = "grammar_too_complex" if isinstance(e, GrammarTooComplex) else "invalid_value"
+            raise invalid(param, f"Invalid '{param}': {str(e).split(': ', 1)[-1]}", code) from None
 
     async def _start(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, param: str, priority: int = 0

@@ -114,6 +114,20 @@ def test_invalid_tools_and_formats(http):
     assert_error(chat(http, structured_outputs={"regex": "(unclosed"}), 400, "structured_outputs.regex")
 
 
+def test_grammars_too_costly_to_compile_are_a_400_and_the_pool_keeps_serving(http):
+    # 40 enum strings of 2,000 characters compile in ~17 s with the demo tokenizer: past the 5 s bound
+    # (engine.grammar_compiler), so the pool's worker is stopped and the client told, within ~5 s.
+    enum = {"enum": ["x" * 2000 + str(i) for i in range(40)]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": enum}}
+    error = assert_error(chat(http, response_format=fmt), 400, "response_format", "grammar_too_complex")
+    assert "did not compile within" in error["message"]
+    r = chat(http, structured_outputs={"regex": "a" * 200_000})  # over the size bound: refused unread
+    assert "too large" in assert_error(r, 400, "structured_outputs.regex")["message"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["yes", "no"]}}}
+    r = chat(http, response_format=fmt, max_tokens=4)  # the next grammar compiles in a fresh worker
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] in ('"yes"', '"no"'), r.text
+
+
 def test_unknown_model(http):
     error = assert_error(chat(http, model="gpt-17"), 404, "model", "model_not_found")
     assert "gpt-17" in error["message"]
