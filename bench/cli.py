@@ -11,6 +11,7 @@ BENCHMARKS = {
     "parallel": "bench.parallel",
     "router": "bench.router",
     "speedups": "bench.speedups",
+    "pool-settings": "bench.pool_settings",
     "overhead": "bench.overhead",
     "report": "bench.report",
 }
