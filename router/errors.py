@@ -1,12 +1,18 @@
 """Errors the router raises for a client: each knows its HTTP status and OpenAI error body."""
 
 import math
+import random
+
+MIN_RETRY_S = 1.0  # no client is told to come back sooner
+RETRY_JITTER = 0.5  # the hint is spread over [wait, wait * (1 + RETRY_JITTER)]
+_jitter = random.Random()
 
 
 class RouterError(Exception):
     status = 500
     type = "server_error"
     code: str | None = None
+    jitter = RETRY_JITTER  # a wait on a shared pool: many clients are told it at once
 
     def __init__(self, message: str, *, param: str | None = None, retry_after: float | None = None):
         super().__init__(message)
@@ -18,10 +24,14 @@ class RouterError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def headers(self) -> dict[str, str]:
-        """`Retry-After` in whole seconds (at least 1) where the client should come back later."""
+        """Where the client should come back later: `retry-after-ms` (as OpenAI sends it, and its SDKs
+        read first) and `Retry-After` in whole seconds, from one jittered wait of at least 1 s. The
+        jitter is the point: clients shed together and told the same whole second all came back in
+        one burst, and each burst cost premium requests their latency (test_overload)."""
         if self.retry_after is None:
             return {}
-        return {"retry-after": str(max(1, math.ceil(self.retry_after)))}
+        wait_ms = round(max(MIN_RETRY_S, self.retry_after) * _jitter.uniform(1.0, 1.0 + self.jitter) * 1000)
+        return {"retry-after": str(math.ceil(wait_ms / 1000)), "retry-after-ms": str(wait_ms)}
 
 
 class AuthenticationError(RouterError):
@@ -40,6 +50,7 @@ class RateLimitError(RouterError):
     """The key's tier is over its requests/min or tokens/min."""
 
     status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
+    jitter = 0.0  # one key's own budget refills at a known time: no herd to spread
 
 
 class OverloadedError(RouterError):

@@ -180,10 +180,20 @@ async def test_retry_after_counts_the_tiers_own_slots_and_service_time():
         await admission.acquire("coding", half_free, timeout=5)
     assert excinfo.value.reason == "wait_budget"
     assert excinfo.value.retry_after == pytest.approx(20.0)
-    assert excinfo.value.headers() == {"retry-after": "20"}
+    headers = excinfo.value.headers()  # the wait, jittered up to +50% so shed clients spread out
+    assert 20_000 <= int(headers["retry-after-ms"]) <= 30_000
+    assert int(headers["retry-after"]) == -(-int(headers["retry-after-ms"]) // 1000)
     for task in waiting:
         task.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
     for ticket in held:
         ticket.release()
     assert admission.load("coding") == PoolLoad(in_flight=0, waiting=0, capacity=4)
+
+
+def test_retry_hints_are_spread_so_shed_clients_do_not_return_together():
+    from router.errors import OverloadedError
+
+    hints = [int(OverloadedError("busy", retry_after=0.3).headers()["retry-after-ms"]) for _ in range(200)]
+    assert min(hints) >= 1000 and max(hints) <= 1500  # never sooner than 1 s; spread over half a second
+    assert len(set(hints)) > 50 and max(hints) - min(hints) > 250

@@ -25,7 +25,7 @@ def test_requests_per_minute_limit_gives_retry_after():
         limiter.check("key-a", tier)
     error = excinfo.value
     assert error.status == 429 and error.retry_after == pytest.approx(10.0)  # one request per 10 s
-    assert error.headers() == {"retry-after": "10"}
+    assert error.headers() == {"retry-after": "10", "retry-after-ms": "10000"}  # exact: one key's budget
     assert error.to_openai()["error"]["code"] == "rate_limit_exceeded"
     limiter.check("key-b", tier)  # another key has its own allowance
     clock.now += 10.0
