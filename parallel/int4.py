@@ -12,12 +12,13 @@ and output row a (scale, zero) pair with `w = (q - 8) * scale + zero`, so zero =
 On x86 only its bfloat16 instantiation is vectorized (AVX2 and AVX-512); float32 activations take a
 scalar loop 20-100x slower, so they go through the kernel in bfloat16, as the int8 path does.
 
-The kernel re-dequantizes a 64-column block of the weight for every 4 rows of activations, so it
-is the fast choice while a step reads weights (decode: few tokens) and a slow one when it computes
-(prefill: hundreds of tokens). From `DENSE_MIN_TOKENS` tokens on, a call dequantizes the weight into
-a transient dense tensor and runs an ordinary matmul (`raylane bench linears --int4` measures where
-the two cross). That path reads a row-major copy of the 4-bit codes (`qweight_rows`, half a byte per
-weight, never read by decode), which the embedding also gathers its rows from.
+The kernel re-dequantizes a 64-column block of the weight for every 4 rows of activations, so its
+time grows linearly with the tokens of a call from 4 on: it is the fastest form at 1-4 tokens (it
+reads 4x fewer bytes than bf16 and 8x fewer than float32), and from `DENSE_MIN_TOKENS` tokens on
+(prefill chunks) a call is faster dequantizing the weight into a transient dense tensor and running
+an ordinary matmul. `raylane bench linears --int4` measures both per shape (bench/README.md, int4).
+That path reads a row-major copy of the 4-bit codes (`rows`, half a byte per weight, never read by
+decode), which the embedding also gathers its rows from.
 """
 
 import torch
@@ -25,8 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 GROUP_SIZE = 32
-# Tokens in a call from which dequantize-then-matmul beats the int4 kernel (bench/README.md, int4).
-DENSE_MIN_TOKENS = 48
+# Tokens in a call from which dequantize-then-matmul beats the int4 kernel: between 64 and 256 for
+# every SmolLM2 shape (`raylane bench linears --int4`, AVX-512 EPYC; bench/README.md, int4).
+DENSE_MIN_TOKENS = 128
 _PROBED: dict[str, bool] = {}
 
 

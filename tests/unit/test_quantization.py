@@ -146,10 +146,11 @@ def test_bf16_decode_steps_stay_close_to_float32(llama_demo):
 
 
 # --- int4 (parallel/int4.py) ------------------------------------------------------------------------
-# Tolerances: the int4 kernel takes bfloat16 activations and bf16 scale/zero, so against an exact
-# float32 product with the same dequantized weight a layer's output is within 2% of its largest
-# value; a whole model's logits within bf16's tolerance above (5% of their standard deviation, top-1
-# agreement >= 85%; measured on the demo model: 2.6% / 95% in prefill, 3.1% / 94% in decode).
+# Tolerances: the int4 kernel takes bfloat16 activations and bf16 scale/zero (and the dense path a
+# bf16 weight where the CPU has AVX512-BF16), so against an exact float32 product with the same
+# dequantized weight a layer's output is within 2% of its largest value, and a whole model's logits
+# within 6% of their standard deviation with top-1 agreement >= 85%, about bf16's error above
+# (measured on the demo model: 4.6% / 90% in prefill, 3.1% / 94% in decode).
 
 
 def fake_int4_runner(path: str, **settings) -> ModelRunner:
@@ -171,7 +172,7 @@ def fake_int4_runner(path: str, **settings) -> ModelRunner:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 5, 64])  # 64: past DENSE_MIN_TOKENS, dequantize-then-matmul
+@pytest.mark.parametrize("tokens", [1, 5, 130])  # 130: past DENSE_MIN_TOKENS, dequantize-then-matmul
 def test_int4_linear_matches_dequantized_weight(dtype, tokens):
     g = torch.Generator().manual_seed(0)
     weight, x = torch.randn(96, 128, generator=g), torch.randn(tokens, 128, generator=g)
@@ -281,21 +282,22 @@ def test_int4_of_a_q4_1_gguf_recovers_its_blocks_exactly():
 
 def test_int4_model_computes_its_dequantized_weights_in_prefill_and_decode(llama_demo):
     """The int4 engine's logits are those of the float model holding the int4 (and int8 vocab)
-    weights, in prefill (the dense path: 23-100 tokens a call) and in decode batches (the int4
-    kernel: 3 tokens a call); the int4 linears are a third of int8's bytes for the same layers."""
+    weights, in prefill (23-150 tokens a call: the int4 kernel and, past 128, the dense path) and in
+    decode batches (the int4 kernel: 3 tokens a call)."""
     g = torch.Generator().manual_seed(2)
     seqs = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (40, 100, 23)]
+    prefills = [*seqs, torch.randint(3, 500, (150,), generator=g).tolist()]
     reference = fake_int4_runner(llama_demo)
     runner = ModelRunner(EngineConfig(model=llama_demo, num_kv_blocks=64, block_size=16, quantization="int4"))
     runner.allocate_kv_cache(64)
     for name, logits, ref in (
-        ("prefill", runner_logits_of(runner, seqs), runner_logits_of(reference, seqs)),
+        ("prefill", runner_logits_of(runner, prefills), runner_logits_of(reference, prefills)),
         ("decode", decode_logits_of(runner, seqs, 6), decode_logits_of(reference, seqs, 6)),
     ):
         rel_error = float((logits - ref).abs().mean() / ref.std())
         agreement = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
         print(f"int4 {name} vs its dequantized weights: |error| / std {rel_error:.4f}, top-1 {agreement:.3f}")
-        assert rel_error <= 0.05 and agreement >= 0.85  # bf16's tolerance: the same rounding
+        assert rel_error <= 0.06 and agreement >= 0.85
 
 
 def test_int4_engine_generates_and_reports_greedy_agreement(llama_demo):
