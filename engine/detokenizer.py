@@ -25,6 +25,7 @@ class IncrementalDetokenizer:
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
@@ -37,6 +38,10 @@ class IncrementalDetokenizer:
         self._pending = ""  # decoded text not yet emitted (may be the start of a stop string)
         self._text = ""  # emitted text
         self._max_stop = max((len(s) for s in self.stop), default=0)
+        # As vLLM: stop strings count only once more than min_tokens tokens are out; text before that
+        # is shown as it comes, and a stop string wholly inside it is not matched later.
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
         self.stopped_by: str | None = None
 
     @property
@@ -63,6 +68,7 @@ class IncrementalDetokenizer:
         if self.stopped_by is not None:
             return ""
         self._ids.extend(new_token_ids)
+        self._num_tokens += len(new_token_ids)
         return self._advance(self._decode_pending(final=False), final=False)
 
     def flush(self) -> str:
@@ -73,7 +79,8 @@ class IncrementalDetokenizer:
 
     def _advance(self, delta: str, final: bool) -> str:
         pending = self._pending + delta
-        if self.stop:
+        checking = self.stop and self._num_tokens > self._min_tokens
+        if checking:
             # A new match must end inside `delta`, so search only the last emitted characters
             # (a shown stop prefix is possible with include_stop_str_in_output) plus pending.
             ctx = self._text[max(0, len(self._text) - self._max_stop + 1) :]
@@ -87,7 +94,7 @@ class IncrementalDetokenizer:
                 self._pending = ""
                 self._text += out
                 return out
-        hold = 0 if final else self._held_back(pending)
+        hold = 0 if final or not checking else self._held_back(pending)
         out, self._pending = pending[: len(pending) - hold], pending[len(pending) - hold :]
         self._text += out
         return out

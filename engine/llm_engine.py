@@ -190,6 +190,7 @@ class LLMEngine:
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens,
+            min_tokens=params.min_tokens,
         )
 
     @property

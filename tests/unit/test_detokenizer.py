@@ -131,3 +131,15 @@ def test_held_back_prefix_released_when_it_diverges(tok):
     out = "".join(stream(detok, tok.encode("the END is near"), finish=False))
     assert out == "the END is near"  # "END" diverged from "ENDING" once " is" arrived
     assert detok.flush() == ""
+
+
+def test_stop_strings_count_only_after_min_tokens(tok):
+    """vLLM's min_tokens: a stop string in the first min_tokens tokens is shown, one after them stops."""
+    text = "one END two END three"
+    ids = tok.encode(text)
+    before_second = len(tok.encode("one END two"))
+    detok = IncrementalDetokenizer(tok, [], stop=["END"], min_tokens=before_second)
+    shown = "".join(stream(detok, ids, finish=False))
+    assert shown == "one END two " and detok.stopped_by == "END"
+    no_min = IncrementalDetokenizer(tok, [], stop=["END"])
+    assert "".join(stream(no_min, ids, finish=False)) == "one "
