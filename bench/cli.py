@@ -12,6 +12,7 @@ BENCHMARKS = {
     "router": "bench.router",
     "speedups": "bench.speedups",
     "pool-settings": "bench.pool_settings",
+    "gguf-open": "bench.gguf_open",
     "overhead": "bench.overhead",
     "report": "bench.report",
 }

@@ -132,3 +132,14 @@ def test_the_model_answers_the_question(gguf_path):
         out = llm.chat([{"role": "user", "content": CHATS[0]}], SamplingParams(temperature=0, max_tokens=16))
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason == "stop"  # it ends its turn with <|im_end|>
+
+
+def test_ngram_speculation_keeps_the_greedy_answers(gguf_path, chat_prompts, hf_greedy):
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    with LLM(str(gguf_path), num_kv_blocks=256, speculative_config=spec) as llm:
+        outputs = llm.generate(
+            chat_prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        )
+        stats = llm.engine.spec_decode_stats
+    assert [o.outputs[0].token_ids for o in outputs] == [tokens for tokens, _ in hf_greedy]
+    assert stats.num_accepted_tokens > 0  # drafts were verified and some taken, not speculation switched off
