@@ -27,6 +27,7 @@ import asyncio
 import multiprocessing
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 GRAMMAR_TIMEOUT_S = 5.0  # one check or compile, CPU time of one core in the worker
@@ -45,8 +46,10 @@ class GrammarTooComplex(ValueError):
 class BoundedWorker:
     """One worker process running picklable calls `fn(*args)` with a time limit, one at a time.
 
-    Callers on one event loop take turns (an asyncio lock); the blocking wait for the answer runs on
-    a thread, so the loop keeps serving. `initializer(*initargs)` runs once in each new worker.
+    Calls queue on one thread of their own, which sends each to the worker and waits for its answer,
+    so an event loop that awaits `run` keeps serving, and a caller that is cancelled (its client
+    left) cannot let the next call cross its answer on the pipe: the thread finishes the exchange.
+    `initializer(*initargs)` runs once in each new worker.
     """
 
     def __init__(
@@ -61,15 +64,13 @@ class BoundedWorker:
         self.preload = preload
         self._process = None
         self._conn = None
-        self._lock: asyncio.Lock | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-worker")
         self.restarts = 0  # workers killed for running past their limit
 
     async def run(self, fn, *args, timeout_s: float | None = None) -> Any:
         """`fn(*args)` in the worker; its exception is re-raised here; GrammarTimeout past the limit."""
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            return await asyncio.to_thread(self._call, fn, args, timeout_s or self.timeout_s)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, self._call, fn, args, timeout_s or self.timeout_s)
 
     def _call(self, fn, args: tuple, timeout_s: float) -> Any:
         if self._process is None or not self._process.is_alive():
@@ -107,6 +108,7 @@ class BoundedWorker:
         self._process = self._conn = None
 
     def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
         self._kill()
 
 
@@ -191,7 +193,9 @@ class GrammarCompileService:
         key = params.key()
         if (hit := self._cache.get(key)) is None:
             if self._worker is None:
-                self._worker = BoundedWorker(_init_compiler, (await self._fetch(),), self.timeout_s)
+                info = await self._fetch()
+                if self._worker is None:  # another request may have made it meanwhile
+                    self._worker = BoundedWorker(_init_compiler, (info,), self.timeout_s)
             try:
                 hit = await self._worker.run(compile_serialized, params)
             except GrammarTimeout:
