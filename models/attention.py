@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel import onednn
+
 
 @dataclass(slots=True)
 class AttentionGroup:
@@ -151,8 +153,13 @@ def _attend(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, group: 
     # index_select on the flat slots is several times faster than advanced indexing with a 2-D index.
     keys = flat_k.index_select(0, group.kv_slots.reshape(-1)).view(context).transpose(1, 2)
     values = flat_v.index_select(0, group.kv_slots.reshape(-1)).view(context).transpose(1, 2)
+    upcast_from = None
     if max_q == 1 and q.device.type == "cpu" and q.dtype != torch.float32:
-        return _decode_on_cpu(q, keys, values, group.attn_mask, scale)
+        if onednn.available(q.dtype):
+            return _decode_on_cpu(q, keys, values, group.attn_mask, scale)
+        # No native bf16 on this CPU (AVX2): its batched matmuls run 3x slower than float32's (and
+        # SDPA's bf16 kernel no better), so a bf16 decode attends in float32.
+        upcast_from, q, keys, values = q.dtype, q.float(), keys.float(), values.float()
     if max_q == 1:  # pure decode: one query per request, already in order, nothing to pad
         padded = q.view(batch, 1, num_heads, head_dim).transpose(1, 2)
     else:
@@ -163,7 +170,8 @@ def _attend(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, group: 
         padded, keys, values, attn_mask=group.attn_mask, scale=scale, enable_gqa=num_kv_heads != num_heads
     )
     out = out.transpose(1, 2).reshape(batch * max_q, num_heads, head_dim)
-    return out if max_q == 1 else out[group.query_dest]
+    out = out if max_q == 1 else out[group.query_dest]
+    return out if upcast_from is None else out.to(upcast_from)
 
 
 def _decode_on_cpu(

@@ -86,7 +86,7 @@ class LinearBase(nn.Module):
         if self.packed_weight is not None:
             return onednn.linear(x, self.packed_weight, bias)
         if self.quantization is None:
-            return F.linear(x, self.weight, bias)
+            return onednn.dense_linear(x, self.weight, bias)
         y = quantized_linear(self, x)
         return y + bias if bias is not None else y
 
@@ -294,7 +294,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.packed_weight is not None:
             return onednn.linear(hidden, self.packed_weight)
         if self.quantization is None:
-            return F.linear(hidden, self.weight)
+            return onednn.dense_linear(hidden, self.weight)
         return quantized_linear(self, hidden)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -313,3 +313,22 @@ def test_int4_engine_generates_and_reports_greedy_agreement(llama_demo):
     pairs = zip(fp, q, strict=True)
     same = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), 12) for x, y in pairs]
     print(f"int4 greedy tokens equal to float32's before the first difference: {same} of 12")
+
+
+def test_bf16_on_a_cpu_without_native_bf16_stays_close_to_float32(llama_demo, monkeypatch):
+    """Where oneDNN has no bf16 kernels (AVX2-only CPUs), bf16 linears from 4 rows and bf16 decode
+    attention run in float32 (parallel/onednn.py `dense_linear`, models/attention.py): the logits keep
+    to bf16's tolerance. (Forced here by the probe's answer; `ATEN_CPU_CAPABILITY=avx2
+    ONEDNN_MAX_CPU_ISA=AVX2` gives the same on an AVX-512 machine.)"""
+    from parallel import onednn
+
+    monkeypatch.setitem(onednn._PROBED, torch.bfloat16, False)
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (40, 100, 23)]
+    ref = decode_logits(llama_demo, seqs, 8)
+    logits = decode_logits(llama_demo, seqs, 8, dtype="bfloat16")
+    rel_error = float((logits - ref).abs().mean() / ref.std())
+    agreement = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
+    print(f"bf16 without native kernels, decode: mean |error| / std {rel_error:.3f}, top-1 {agreement:.3f}")
+    _, max_rel_error, min_agreement = SETTINGS["bf16"]
+    assert rel_error <= max_rel_error and agreement >= min_agreement
