@@ -1,13 +1,16 @@
-"""llama.cpp's C++ `llama-server`, the CPU anchor of `raylane bench compare --llama-server-b FILE.gguf`.
+"""llama.cpp's C++ `llama-server`, the CPU anchor of `raylane bench compare --llama-server-a GGUF`.
 
 The binary is built once from the llama.cpp sources vendored in the `llama-cpp-python` sdist on PyPI
 (pinned by `LLAMA_CPP_PYTHON_VERSION`, so every machine builds the same server), with cmake, Release,
-CPU only, `-march=native`, statically linked, into a cache folder:
+CPU only, `-march=native`, llama.cpp's own libraries linked in, into a cache folder:
 
     ~/.cache/raylane/llama.cpp/<version>/bin/llama-server   ($RAYLANE_LLAMA_CPP_DIR replaces the root)
 
-The build takes about 15 minutes on two cores and runs under `nice`; a second call finds the binary
-and returns at once. Only benchmarks use it: no test builds or runs it.
+A started server logs to ~/.cache/raylane/llama.cpp/logs/llama-server-<port>.log.
+
+The build runs under `nice -n 10` with two jobs: about 15 minutes on two quiet cores, 41 on two cores
+shared with other work (2026-12-02); a second call finds the binary and returns at once. Only
+benchmarks use it: no test builds or runs it.
 
     python -m bench.llama_server build               # build (or find) the binary, print its path
     python -m bench.llama_server serve FILE.gguf     # start it on a free port until Ctrl-C
@@ -26,7 +29,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -203,8 +205,9 @@ class LlamaServer:
             self.binary = ensure_built()
         if self.port is None:
             self.port = free_port()
-        if self.log_path is None:
-            self.log_path = Path(tempfile.gettempdir()) / f"raylane-llama-server-{self.port}.log"
+        if self.log_path is None:  # beside the binary, where a failed start's error stays readable
+            self.log_path = cache_root() / "logs" / f"llama-server-{self.port}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self._process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
         try:

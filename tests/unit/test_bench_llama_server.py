@@ -4,7 +4,6 @@ llama-server and records its command line and request bodies). No test builds or
 
 import argparse
 import json
-import os
 import socket
 import stat
 import sys
@@ -80,6 +79,7 @@ def fake_binary(tmp_path, monkeypatch) -> tuple[Path, Path]:
     logs = tmp_path / "seen"
     logs.mkdir()
     monkeypatch.setenv("FAKE_LLAMA_LOG", str(logs))
+    monkeypatch.setenv("RAYLANE_LLAMA_CPP_DIR", str(tmp_path / "cache"))  # its server logs go there
     return binary, logs
 
 
@@ -238,7 +238,8 @@ def test_compare_shows_a_side_that_stops_before_max_tokens(fake_binary, gguf, tm
     assert "ended 3 answers off max_tokens" in out
 
 
-def test_a_server_that_exits_at_start_is_reported_with_its_log(tmp_path, gguf, capsys):
+def test_a_server_that_exits_at_start_is_reported_with_its_log(tmp_path, gguf, capsys, monkeypatch):
+    monkeypatch.setenv("RAYLANE_LLAMA_CPP_DIR", str(tmp_path / "cache"))
     binary = tmp_path / "broken-server"
     binary.write_text("#!/bin/sh\necho 'error: unknown argument' >&2\nexit 3\n")
     binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
@@ -248,7 +249,7 @@ def test_a_server_that_exits_at_start_is_reported_with_its_log(tmp_path, gguf, c
     assert "llama-server exited with 3" in err
     log = Path(err.split("see ")[-1].strip())
     assert "unknown argument" in log.read_text()
-    os.unlink(log)
+    assert log.parent == tmp_path / "cache" / "logs"
 
 
 def test_a_packaged_model_name_stands_for_its_gguf_file(tmp_path):
