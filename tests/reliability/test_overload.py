@@ -8,7 +8,8 @@ free must get 429s with Retry-After; no 5xx; queues and the replicas' memory sta
 
 The clients run in a process of their own, as a premium application would: after the rest of the
 suite, the test process holds the Ray driver and what earlier tests left, and its TTFT would include
-that process's own delays.
+that process's own delays; the free clients run in another, so the premium client's event loop is
+not also the flood's.
 """
 
 import asyncio
@@ -93,28 +94,42 @@ async def free_client(http: httpx2.AsyncClient, stop: asyncio.Event, statuses: l
             await asyncio.sleep(min(int(hint_ms) / 1000 if hint_ms else retry_after, 2.0))
 
 
-async def overload(url: str) -> dict:
+async def flood(url: str) -> dict:
+    """The free-tier clients, until a line arrives on stdin: their statuses and Retry-After values."""
     limits = httpx2.Limits(max_connections=FREE_CLIENTS + 10)
     async with httpx2.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
-        unloaded = [await premium_ttft(http) for _ in range(PREMIUM_SAMPLES)]
-        rss_before = replica_rss_mb(APP)
-        stop, statuses, retry_afters, health = asyncio.Event(), [], [], []
+        stop, statuses, retry_afters = asyncio.Event(), [], []
         clients = [
             asyncio.create_task(free_client(http, stop, statuses, retry_afters)) for _ in range(FREE_CLIENTS)
         ]
+        await asyncio.to_thread(sys.stdin.readline)
+        stop.set()
+        await asyncio.gather(*clients)
+        return {"statuses": statuses, "retry_afters": retry_afters}
+
+
+async def overload(url: str) -> dict:
+    """Premium's TTFT without and with the flood. The flood runs in a process of its own: sharing
+    the premium client's event loop, forty clients' responses delayed its first chunk (a premium
+    application does not host its attackers)."""
+    async with httpx2.AsyncClient(base_url=url, timeout=120) as http:
+        unloaded = [await premium_ttft(http) for _ in range(PREMIUM_SAMPLES)]
+        rss_before = replica_rss_mb(APP)
+        command = [sys.executable, "-m", "tests.reliability.test_overload", "--flood", url]
+        pipe = asyncio.subprocess.PIPE
+        flooding = await asyncio.create_subprocess_exec(*command, stdin=pipe, stdout=pipe)
         await asyncio.sleep(3)  # the flood is on
-        loaded = []
+        loaded, health = [], []
         for _ in range(PREMIUM_SAMPLES):
             loaded.append(await premium_ttft(http))
             health.append((await http.get("/health")).json())
             await asyncio.sleep(0.2)
-        stop.set()
-        await asyncio.gather(*clients)
+        out, _ = await flooding.communicate(b"stop\n")
+        assert flooding.returncode == 0, "the flood process failed"
         return {
             "unloaded": unloaded,
             "loaded": loaded,
-            "statuses": statuses,
-            "retry_afters": retry_afters,
+            **json.loads(out.decode().splitlines()[-1]),
             "health": health,
             "rss_before": rss_before,
             "rss_after": replica_rss_mb(APP),
@@ -161,4 +176,7 @@ def test_premium_keeps_its_latency_while_sheddable_traffic_is_shed(app, report):
 
 
 if __name__ == "__main__":
-    print(json.dumps(asyncio.run(overload(sys.argv[1]))))
+    if sys.argv[1] == "--flood":
+        print(json.dumps(asyncio.run(flood(sys.argv[2]))))
+    else:
+        print(json.dumps(asyncio.run(overload(sys.argv[1]))))
