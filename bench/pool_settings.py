@@ -62,8 +62,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg = parser.add_argument
     arg("--threads", type=int, nargs="+", default=[1], help="torch thread counts, each run in turn")
     arg("--repeats", type=int, default=2, help="runs of each measurement, settings alternated; best kept")
-    arg("--code-prompts", type=int, default=8, help="HumanEval prompts (batch 8 runs this many)")
-    arg("--chat-prompts", type=int, default=16, help="chat prompts (batch 16 of the weights runs this many)")
+    arg(
+        "--code-prompts",
+        type=int,
+        default=8,
+        help="HumanEval problems taken (runs use the first --spec-batch)",
+    )
+    arg(
+        "--chat-prompts",
+        type=int,
+        default=16,
+        help="chat prompts taken (runs use the first --spec-batch / --weight-batch)",
+    )
     arg("--spec-tokens", type=int, default=64, help="most tokens per answer in the speculation runs")
     arg("--spec-batch-1-prompts", type=int, default=2, help="prompts run one at a time for batch 1")
     arg("--spec-batch", type=int, default=8, help="the larger batch of the speculation runs")
@@ -414,10 +424,6 @@ def run(args: argparse.Namespace) -> int:
     info = machine_info()
     print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}")
     print(f"model: {MODEL} ({Path(path).name}), in-process LLM")
-    from transformers import AutoTokenizer  # noqa: F401  (fail early if missing)
-
-    from engine import LLM  # noqa: F401
-
     with load_llm(path) as probe:
         tokenizer = probe.get_tokenizer()
     chat, chat_source = chat_messages(max(args.chat_prompts, args.spec_batch, args.weight_batch), tokenizer)
