@@ -30,9 +30,9 @@ def test_default_config_serves_the_packaged_real_model_as_three_pools():
     assert chat.model_path().endswith(".gguf")
     engine = chat.engine_config()
     assert engine.model == engine.tokenizer == chat.model_path()
-    # Each pool's engine settings differ: n-gram speculation for code, int4 weights for chat.
+    # Each pool's engine settings differ: n-gram speculation for code, int8 weights for chat.
     assert config.pool("coding").engine.speculative_config.method == "ngram"
-    assert config.pool("chat").engine.quantization == "int4"
+    assert config.pool("chat").engine.quantization == "int8"
     assert config.pool("reasoning").engine.speculative_config is None
     assert chat.engine.cpus_per_rank <= 0.5  # three pools and a gateway fit on two cores
     assert (config.http.host, config.http.port) == ("127.0.0.1", 8000)
