@@ -22,7 +22,7 @@ from bench.llama_server import LlamaServer, LlamaServerError
 # every request body to $FAKE_LLAMA_LOG/<port>.json.
 FAKE_LLAMA_SERVER = textwrap.dedent(
     """
-    import argparse, json, os, sys
+    import argparse, json, os, sys, threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     parser = argparse.ArgumentParser()
@@ -32,16 +32,21 @@ FAKE_LLAMA_SERVER = textwrap.dedent(
     log = os.path.join(os.environ["FAKE_LLAMA_LOG"], args.port + ".json")
     state = {"argv": sys.argv[1:], "bodies": [], "health_polls": 0}
 
-    def save():
-        with open(log, "w") as f:
-            json.dump(state, f)
+    lock = threading.Lock()
+
+    def save():  # requests run in threads: one writer at a time, and the file always whole
+        with lock:
+            with open(log + ".tmp", "w") as f:
+                json.dump(state, f)
+            os.replace(log + ".tmp", log)
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a):
             pass
 
         def do_GET(self):
-            state["health_polls"] += 1
+            with lock:
+                state["health_polls"] += 1
             save()
             self.send_response(200 if self.path == "/health" and state["health_polls"] > 2 else 503)
             self.end_headers()
@@ -49,7 +54,8 @@ FAKE_LLAMA_SERVER = textwrap.dedent(
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            state["bodies"].append(body)
+            with lock:
+                state["bodies"].append(body)
             save()
             n = body["max_tokens"] if body.get("ignore_eos") else min(2, body["max_tokens"])
             self.send_response(200)
@@ -193,7 +199,8 @@ def table_rows(out: str, metric: str) -> list[list[str]]:
 
 
 def seen(logs: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(logs.iterdir())]
+    """What each stand-in saw (in port order; the assertions on them hold for either side)."""
+    return [json.loads(p.read_text()) for p in sorted(logs.glob("*.json"))]
 
 
 def test_compare_starts_llama_server_sides_sends_the_same_requests_and_stops_them(
