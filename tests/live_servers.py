@@ -154,6 +154,15 @@ def router_server(api_server, demo_models):
     serve.delete(ROUTER_APP)
 
 
+@pytest.fixture(scope="module", name="server")
+def router_server_without_faults(router_server):
+    """The router app, with every fault switched off when the module's tests are done (even after a
+    failure), so the next module starts from healthy pools."""
+    yield router_server
+    for pool in ("coding", "reasoning", "chat"):
+        router_server.set_fault(pool, None)
+
+
 def app_with_pools(config, pool_class):
     """The app `build_app` makes, with a test subclass of `ModelPool` serving every pool (shipped to
     the replicas by value: they cannot import tests/)."""

@@ -14,17 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx2
 import pytest
 
-from tests.live_servers import ROUTER_KEYS
+from tests.live_servers import ROUTER_KEYS, router_server_without_faults  # noqa: F401 (`server`)
 
 HI = [{"role": "user", "content": "hi"}]
 TIMEOUT_S = 180
-
-
-@pytest.fixture(scope="module")
-def server(router_server):
-    yield router_server
-    for pool in ("coding", "reasoning", "chat"):  # leave no fault behind, even after a failure
-        router_server.set_fault(pool, None)
 
 
 def chat(server, model: str, tier: str | None = "premium", messages=HI, **body) -> httpx2.Response:

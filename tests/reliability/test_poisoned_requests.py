@@ -12,17 +12,10 @@ import json
 import httpx2
 import pytest
 
-from tests.live_servers import ROUTER_KEYS
+from tests.live_servers import ROUTER_KEYS, router_server_without_faults  # noqa: F401 (`server`)
 
 TIMEOUT_S = 180
 ATTACKS = 20
-
-
-@pytest.fixture(scope="module")
-def server(router_server):
-    yield router_server
-    for pool in ("coding", "reasoning", "chat"):  # leave no fault behind, even after a failure
-        router_server.set_fault(pool, None)
 
 
 def post_raw(url: str, body: str, tier: str = "premium") -> httpx2.Response:

@@ -75,19 +75,20 @@ def test_logits_close_to_float32(reference, model, setting):
     assert ratio <= (0.30 if "int8" in setting else 0.51)
 
 
-def test_int8_engine_generates_and_reports_greedy_agreement(llama_demo):
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_engine_generates_and_reports_greedy_agreement(llama_demo, quantization):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 4000, (n,), generator=g).tolist() for n in (9, 40)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     fp = [o.outputs[0].token_ids for o in LLM(llama_demo, num_kv_blocks=64).generate(prompts, params)]
     q = [
         o.outputs[0].token_ids
-        for o in LLM(llama_demo, num_kv_blocks=64, quantization="int8").generate(prompts, params)
+        for o in LLM(llama_demo, num_kv_blocks=64, quantization=quantization).generate(prompts, params)
     ]
     assert all(len(t) == 12 for t in q)
     pairs = zip(fp, q, strict=True)
     same = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), 12) for x, y in pairs]
-    print(f"int8 greedy tokens equal to float32's before the first difference: {same} of 12")
+    print(f"{quantization} greedy tokens equal to float32's before the first difference: {same} of 12")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -298,21 +299,6 @@ def test_int4_model_computes_its_dequantized_weights_in_prefill_and_decode(llama
         agreement = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
         print(f"int4 {name} vs its dequantized weights: |error| / std {rel_error:.4f}, top-1 {agreement:.3f}")
         assert rel_error <= 0.06 and agreement >= 0.85
-
-
-def test_int4_engine_generates_and_reports_greedy_agreement(llama_demo):
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 4000, (n,), generator=g).tolist() for n in (9, 40)]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    fp = [o.outputs[0].token_ids for o in LLM(llama_demo, num_kv_blocks=64).generate(prompts, params)]
-    q = [
-        o.outputs[0].token_ids
-        for o in LLM(llama_demo, num_kv_blocks=64, quantization="int4").generate(prompts, params)
-    ]
-    assert all(len(t) == 12 for t in q)
-    pairs = zip(fp, q, strict=True)
-    same = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), 12) for x, y in pairs]
-    print(f"int4 greedy tokens equal to float32's before the first difference: {same} of 12")
 
 
 def test_bf16_on_a_cpu_without_native_bf16_stays_close_to_float32(llama_demo, monkeypatch):
