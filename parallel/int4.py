@@ -10,7 +10,7 @@ The matmul is torch's CPU weight-only int4 kernel, `_weight_int4pack_mm_for_cpu`
 "tinygemm" layout): the weight packed once by `_convert_weight_to_int4pack_for_cpu`, and per group
 and output row a (scale, zero) pair with `w = (q - 8) * scale + zero`, so zero = minimum + 8 * scale.
 On x86 only its bfloat16 instantiation is vectorized (AVX2 and AVX-512); float32 activations take a
-scalar loop 20-100x slower, so they go through the kernel in bfloat16, as the int8 path does.
+scalar loop, so they go through the kernel in bfloat16, as the int8 path does.
 
 The kernel re-dequantizes a 64-column block of the weight for every 4 rows of activations, so its
 time grows linearly with the tokens of a call from 4 on: it is the fastest form at 1-4 tokens (it
@@ -125,7 +125,8 @@ def kernel_available() -> bool:
 
 def dense_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the dense path's transient weight: bfloat16 where the CPU multiplies it natively
-    (AVX512-BF16: 3-4x float32's speed at prefill sizes), else the activations' dtype."""
+    (AVX512-BF16; faster than float32 at prefill sizes: `raylane bench linears --int4`), else the
+    activations' dtype."""
     if dtype == torch.float32 and torch.cpu._is_avx512_bf16_supported():
         return torch.bfloat16
     return dtype
