@@ -157,8 +157,8 @@ def _attend(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, group: 
     if max_q == 1 and q.device.type == "cpu" and q.dtype != torch.float32:
         if onednn.available(q.dtype):
             return _decode_on_cpu(q, keys, values, group.attn_mask, scale)
-        # No native bf16 on this CPU (AVX2): its batched matmuls run 3x slower than float32's (and
-        # SDPA's bf16 kernel no better), so a bf16 decode attends in float32.
+        # No native bf16 on this CPU (AVX2): its batched matmuls run several times slower than
+        # float32's (and SDPA's bf16 kernel no better), so a bf16 decode attends in float32.
         upcast_from, q, keys, values = q.dtype, q.float(), keys.float(), values.float()
     if max_q == 1:  # pure decode: one query per request, already in order, nothing to pad
         padded = q.view(batch, 1, num_heads, head_dim).transpose(1, 2)
@@ -178,9 +178,8 @@ def _decode_on_cpu(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
 ):
     """One query per request in bfloat16/float16 on CPU, as two batched matmuls per KV head: SDPA's
-    CPU flash kernel at one query takes most of a decode step there (a step of the 50M benchmark
-    Llama at batch 16: 27 -> 17 ms). In float32 SDPA stays (faster there). q: [B, H, D]; keys,
-    values: [B, KVH, L, D]; mask: [B, 1, 1, L]. Softmax in float32."""
+    CPU flash kernel at one query takes most of a decode step there. In float32 SDPA stays (faster
+    there). q: [B, H, D]; keys, values: [B, KVH, L, D]; mask: [B, 1, 1, L]. Softmax in float32."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
     # Query head h reads KV head h // (H / KVH), as in SDPA's enable_gqa.

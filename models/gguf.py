@@ -1,16 +1,16 @@
 """GGUF checkpoints (llama.cpp's single-file format), served without writing a second copy of the weights.
 
 A `.gguf` file carries everything a Hugging Face directory does: hyper-parameters, tokenizer and chat
-template in its metadata, the tensors (often block-quantized: Q4_1, Q8_0, ...) after them. Reading
-the metadata is slow in Python (the `gguf` package parses the 49k-entry vocabulary and merges field
-by field, seconds per process) and converting the tokenizer to a fast one is slower still, while the
-engine opens its checkpoint in several processes (driver, engine core, every rank). So the first use
-of a file writes a small *sidecar* directory under `$RAYLANE_CACHE_DIR/gguf/`: the `config.json`,
-tokenizer and `generation_config.json` that transformers makes from the file, and `gguf_index.json`,
-where each tensor's bytes sit in the file. Every later open, in any process, reads that directory as
-an ordinary checkpoint directory; the weights are read from the GGUF itself, dequantized to the
-engine's dtype as each rank loads its shard (only the rows it needs). The sidecar is a few MB; the
-weights are never copied.
+template in its metadata, the tensors (often block-quantized: Q4_1, Q8_0, ...) after them. Reading the
+metadata is slow in Python (the `gguf` package parses the 49k-entry vocabulary and merges field by
+field, seconds per process: `raylane bench gguf-open` times it) and converting the tokenizer to a fast
+one is slower still, while the engine opens its checkpoint in several processes (driver, engine core,
+every rank). So the first use of a file writes a small *sidecar* directory under
+`$RAYLANE_CACHE_DIR/gguf/`: the `config.json`, tokenizer and `generation_config.json` that transformers
+makes from the file, and `gguf_index.json`, where each tensor's bytes sit in the file. Every later open,
+in any process, reads that directory as an ordinary checkpoint directory; the weights are read from the
+GGUF itself, dequantized to the engine's dtype as each rank loads its shard (only the rows it needs).
+The sidecar is a few MB; the weights are never copied.
 
 llama.cpp's converter permutes the rows of Llama's q/k projections (it pairs rotary halves
 differently); `_unpermute` restores Hugging Face's order, as transformers does when it loads a GGUF.

@@ -1,11 +1,11 @@
 """Linear weights prepacked for oneDNN, the CPU matmul path.
 
-On CPU, torch's `F.linear` in float32 goes to a BLAS sgemm (MKL in the torch wheel), which was slow
-on the AMD EPYC measured. oneDNN's JIT kernels on a weight reordered once into oneDNN's blocked
-layout did the same products 2.3-3.3x faster at the token counts of decode and prefill steps, at
-float32 precision (`raylane bench linears`; bench/README.md, "Where the 4.3x comes from"). It is
-the op torch's own inductor uses for CPU weight prepacking (`torch.ops.mkldnn._linear_pointwise`),
-and the approach of vLLM's CPU backend.
+On CPU, torch's `F.linear` in float32 goes to a BLAS sgemm (MKL in the torch wheel), which is slow
+on the AMD EPYC CPUs benchmarked. oneDNN's JIT kernels on a weight reordered once into oneDNN's
+blocked layout do the same products faster at the token counts of decode and prefill steps, at
+float32 precision (`raylane bench linears` measures both; bench/README.md, "Where the speedup comes
+from"). It is the op torch's own inductor uses for CPU weight prepacking
+(`torch.ops.mkldnn._linear_pointwise`), and the approach of vLLM's CPU backend.
 
 `prepack_model` runs once after the weights are loaded: each linear's dense [out, in] weight is
 replaced by its packed form (so memory does not double); a weight tied to the embedding stays dense
@@ -35,10 +35,11 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` for an unpacked weight, except half precision on a CPU where oneDNN has no kernel for
-    it (no AVX512-BF16, e.g. AVX2-only CPUs): there torch's fallback bf16 gemm is 4-19x slower than a
-    float32 product from 16 rows on (3.4 -> 11.1 ms for 3072x576 at 16 rows, AVX2), which made a
-    bfloat16 engine 2.5x slower than float32 at 16 streams. From `UPCAST_MIN_TOKENS` rows the product
-    runs in float32 on a transient float32 copy of the weight; below, bf16's halved bytes win."""
+    it (no AVX512-BF16, e.g. AVX2-only CPUs): there torch's fallback bf16 gemm is several times slower
+    than a float32 product once a call has more than a few rows, enough to make a bfloat16 engine
+    slower than float32 at 16 streams (bench/README.md, "Why bfloat16 lost at 16 streams"). From
+    `UPCAST_MIN_TOKENS` rows the product runs in float32 on a transient float32 copy of the weight;
+    below, bf16's halved bytes win."""
     half = weight.dtype in (torch.bfloat16, torch.float16)
     if (
         half

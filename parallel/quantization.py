@@ -62,7 +62,7 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> 
     """x [..., in] @ (qweight * scale[:, None]).T without a bias.
 
     float32 activations go through the kernel in bfloat16: torch's float32 int8 kernel is a scalar
-    loop (5-10x slower than an fp32 matmul on CPU), its bf16 one is vectorized.
+    loop (several times slower than an fp32 matmul on CPU), its bf16 one is vectorized.
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])

@@ -5,7 +5,8 @@ exact vectors /v1/embeddings returns, so it keeps its own copy of the packaged M
 (`router.embeddings.model_path()`) and:
 - reads at most `max_tokens` word pieces of each message: its head and its tail, because a
   request is usually stated at the start (then a paste) or at the end (after a paste);
-- quantizes the linear layers to int8 (about 3x faster on CPU, same routing accuracy);
+- quantizes the linear layers to int8 (faster on CPU, same routing accuracy; `raylane bench router`
+  times the classifier);
 - caches embeddings by text, since a conversation resends its system prompt and earlier turns.
 Pooling and normalisation are the sentence-transformers model's: mean over tokens, unit length.
 """
