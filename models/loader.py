@@ -31,10 +31,10 @@ from transformers import AutoConfig, PreTrainedConfig
 from models.decoder import DecoderForCausalLM
 from models.gguf import checkpoint_dir, iter_gguf, read_index
 from models.registry import get_model_class
+from parallel import onednn
 from parallel.layers import default_weight_loader
 from parallel.lazy_weight import LazyWeight
-from parallel.onednn import prepack_model
-from parallel.quantization import quantize_model
+from parallel.weight_processing import WeightProcessing
 
 _EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
 _FUSED_EXPERTS = {".experts.gate_up_proj": ".experts.w13", ".experts.down_proj": ".experts.w2"}
@@ -56,8 +56,8 @@ def load_model(
 ) -> tuple[DecoderForCausalLM, PreTrainedConfig]:
     """Build the model for `model_dir/config.json` (or a `.gguf` file) on this rank and load its weights.
 
-    `quantization="int8"` quantizes the linear layers' weights once loaded (parallel/quantization.py);
-    `cpu_weight_prepack` packs the others for oneDNN on CPU (parallel/onednn.py).
+    `quantization` ("int8", "int4") quantizes the linear layers' weights once loaded and
+    `cpu_weight_prepack` packs the others for oneDNN on CPU: `process_weights_after_loading`.
     Returns (model in eval mode without gradients, the transformers config).
     """
     model_dir = Path(checkpoint_dir(model_dir))
@@ -69,11 +69,24 @@ def load_model(
     with _default_dtype(dtype), torch.device(device):
         model = model_class(config)
     load_weights(model, tensors, model_dir)
-    if quantization is not None:
-        quantize_model(model, quantization)
-    if cpu_weight_prepack and torch.device(device).type == "cpu":
-        prepack_model(model)
+    prepack = cpu_weight_prepack and torch.device(device).type == "cpu"
+    process_weights_after_loading(model, quantization, prepack)
     return model.eval().requires_grad_(False), config
+
+
+def process_weights_after_loading(
+    model: nn.Module, quantization: str | None = None, cpu_weight_prepack: bool = False
+) -> None:
+    """Let every layer turn its loaded weight into the form it computes with (vLLM's hook):
+    quantized under `quantization`, else packed for oneDNN under `cpu_weight_prepack` where oneDNN
+    serves the model's dtype (a CPU model)."""
+    dtype = next(model.parameters()).dtype
+    prepack = cpu_weight_prepack and onednn.available(dtype)
+    processing = WeightProcessing.for_model(model, quantization, prepack)
+    for module in list(model.modules()):
+        if (hook := getattr(module, "process_weights_after_loading", None)) is not None:
+            hook(processing)
+    processing.report()
 
 
 def weight_files(model_dir: Path) -> list[Path]:

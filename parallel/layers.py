@@ -7,7 +7,10 @@ block and one per MLP. Embedding and LM head split the vocabulary.
 
 Every parameter carries `param.weight_loader(param, loaded_weight, shard_id=None)`,
 which takes the full Hugging Face tensor and copies this rank's slice into `param`,
-so the model loader never needs to know how a layer is sharded. `loaded_weight` may be a
+so the model loader never needs to know how a layer is sharded. Once every weight is loaded, the
+loader calls each layer's `process_weights_after_loading` (vLLM's hook), which turns the weight into
+the form the layer computes with: quantized (parallel/quantization.py) or packed for oneDNN
+(parallel/onednn.py). `loaded_weight` may be a
 `LazyWeight` (what the model loader passes): narrowing it reads nothing, and `copy_weight`
 reads only the slice it copies.
 
@@ -21,13 +24,14 @@ from torch import nn
 
 from parallel import onednn
 from parallel.lazy_weight import LazyWeight, materialize
-from parallel.quantization import quantized_embedding, quantized_linear
+from parallel.quantization import int4_fits, quantize_linear_, quantized_embedding, quantized_linear
 from parallel.state import (
     get_tp_rank,
     get_tp_size,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from parallel.weight_processing import WeightProcessing
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -75,8 +79,14 @@ class LinearBase(nn.Module):
 
     # "int8" or "int4" once `parallel.quantization.quantize_linear_` swapped `weight` for its quantized form.
     quantization: str | None = None
-    # The weight in oneDNN's layout once `parallel.onednn.prepack_model` packed it (CPU).
+    # The weight in oneDNN's layout once `process_weights_after_loading` packed it (CPU).
     packed_weight: torch.Tensor | None = None
+    # Whether `quantization` applies (the MoE router gate stays in the model dtype).
+    quantizable = True
+
+    def process_weights_after_loading(self, processing: WeightProcessing) -> None:
+        method = processing.quantization if self.quantizable else None
+        quantize_or_pack(self, processing, method, pack=True)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
@@ -96,6 +106,8 @@ class LinearBase(nn.Module):
 
 class ReplicatedLinear(LinearBase):
     """Every rank holds the whole weight (e.g. the MoE router gate)."""
+
+    quantizable = False
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, output_size, bias, tp_rank=0, tp_size=1)
@@ -285,6 +297,10 @@ class VocabParallelEmbedding(nn.Module):
     quantization: str | None = None  # see LinearBase
     packed_weight: torch.Tensor | None = None  # see LinearBase; only the LM head's is packed
 
+    def process_weights_after_loading(self, processing: WeightProcessing) -> None:
+        # The embedding looks rows up: only the LM head multiplies, so only it is packed.
+        quantize_or_pack(self, processing, processing.vocab_method(), pack=isinstance(self, ParallelLMHead))
+
     def embed(self, local_ids: torch.Tensor) -> torch.Tensor:
         if self.quantization is None:
             return F.embedding(local_ids, self.weight)
@@ -315,3 +331,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = tensor_model_parallel_all_gather(self.matmul(hidden), dim=-1)
         return logits[..., : self.num_embeddings]
+
+
+def quantize_or_pack(layer: nn.Module, processing: WeightProcessing, method: str | None, pack: bool) -> None:
+    """Quantize `layer.weight` with `method`, or else (fp weight, `pack`) pack it for oneDNN."""
+    if method == "int4" and not int4_fits(layer.weight):
+        processing.int8_fallbacks.append(tuple(layer.weight.shape))
+        method = "int8"
+    if method is not None:
+        quantize_linear_(layer, processing.shared, method)
+    elif pack and processing.prepack:
+        layer.packed_weight = onednn.pack(layer.weight)
+        if not processing.keeps_dense(layer.weight):  # a tied LM head leaves the embedding its table
+            del layer.weight

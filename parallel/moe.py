@@ -31,6 +31,7 @@ from torch import nn
 from parallel import onednn
 from parallel.layers import copy_weight, divide
 from parallel.state import get_ep_rank, get_ep_size, get_tp_rank, get_tp_size, moe_all_reduce
+from parallel.weight_processing import WeightProcessing
 
 
 def topk_softmax(
@@ -120,8 +121,14 @@ class FusedMoE(nn.Module):
         rows = slice(0, i) if shard_id == "gate" else slice(i, 2 * i)
         copy_weight(param.data[local, rows], loaded_weight.narrow(0, start, i))
 
-    # (w13 per expert, w2 per expert) once `parallel.onednn.prepack_model` replaced the 3D weights.
+    # (w13 per expert, w2 per expert) once `process_weights_after_loading` replaced the 3D weights.
     packed_experts: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def process_weights_after_loading(self, processing: WeightProcessing) -> None:
+        """Experts stay in the model dtype under `quantization`; on CPU they are packed for oneDNN."""
+        if processing.prepack:
+            self.packed_experts = ([onednn.pack(w) for w in self.w13], [onednn.pack(w) for w in self.w2])
+            del self.w13, self.w2
 
     def _expert_linear(self, x: torch.Tensor, which: int, expert: int) -> torch.Tensor:
         """x @ w13[expert].T (which=0) or x @ w2[expert].T (which=1)."""

@@ -7,11 +7,12 @@ float32 precision (`raylane bench linears` measures both; bench/README.md, "Wher
 from"). It is the op torch's own inductor uses for CPU weight prepacking
 (`torch.ops.mkldnn._linear_pointwise`), and the approach of vLLM's CPU backend.
 
-`prepack_model` runs once after the weights are loaded: each linear's dense [out, in] weight is
-replaced by its packed form (so memory does not double); a weight tied to the embedding stays dense
-for the embedding, with a packed copy for the LM head. Each rank packs its own shard, so tensor and
-expert parallelism need nothing more. A probe checks that the op exists for the dtype and agrees
-with `F.linear` before anything is packed; where it does not, the model keeps torch's matmul.
+Each layer packs its own weight once loaded (`process_weights_after_loading` in parallel/layers.py
+and parallel/moe.py): its dense [out, in] weight is replaced by the packed form (so memory does not
+double); a weight tied to the embedding stays dense for the embedding, with a packed copy for the LM
+head. Each rank packs its own shard, so tensor and expert parallelism need nothing more. A probe
+(`available`) checks that the op exists for the dtype and agrees with `F.linear` before anything is
+packed; where it does not, the model keeps torch's matmul. This module holds the kernels only.
 """
 
 import torch
@@ -64,33 +65,6 @@ def available(dtype: torch.dtype) -> bool:
         except (AttributeError, RuntimeError, NotImplementedError):
             _PROBED[dtype] = False
     return _PROBED[dtype]
-
-
-def prepack_model(model: nn.Module) -> int:
-    """Pack the fp weights of every linear, LM head and MoE expert of a loaded CPU model in place;
-    returns how many layers were packed (0 where oneDNN cannot serve the model's dtype)."""
-    from parallel.layers import LinearBase, ParallelLMHead  # here: both modules import this one
-    from parallel.moe import FusedMoE
-
-    dtype = next(model.parameters()).dtype
-    if not available(dtype):
-        return 0
-    kinds = (LinearBase, ParallelLMHead)
-    dense_elsewhere = {  # weights that modules left unpacked (the embedding) still read
-        id(p) for m in model.modules() if not isinstance(m, kinds) for p in m.parameters(recurse=False)
-    }
-    packed = 0
-    for module in model.modules():
-        if isinstance(module, kinds) and module.quantization is None:
-            module.packed_weight = pack(module.weight)
-            if id(module.weight) not in dense_elsewhere:  # a tied LM head leaves the embedding its table
-                del module.weight
-            packed += 1
-        elif isinstance(module, FusedMoE):
-            module.packed_experts = ([pack(w) for w in module.w13], [pack(w) for w in module.w2])
-            del module.w13, module.w2
-            packed += 1
-    return packed
 
 
 def packed_bytes(model: nn.Module) -> int:

@@ -2,11 +2,11 @@
 
 Each output channel (row of a rank's [out, in] weight shard) gets one scale, absmax / 127, so
 `w ~= w_int8 * scale[:, None]`; activations stay in the model dtype. The weights are loaded in the
-model dtype first and quantized right after loading (`quantize_model`), so any fp checkpoint
-works. The matmul is torch's `_weight_int8pack_mm` (CPU and CUDA kernels that take the int8 weight
-and the scales directly) where it exists for the device and dtype, else the weight is dequantized
-on the fly. Each rank quantizes its own shard with its own scales, so tensor parallelism needs
-nothing more.
+model dtype first and quantized right after loading (each layer's `process_weights_after_loading`
+calls `quantize_linear_`), so any fp checkpoint works. The matmul is torch's `_weight_int8pack_mm`
+(CPU and CUDA kernels that take the int8 weight and the scales directly) where it exists for the
+device and dtype, else the weight is dequantized on the fly. Each rank quantizes its own shard with
+its own scales, so tensor parallelism needs nothing more.
 
 The Column/Row/QKV/Merged linears, the vocabulary embedding and the LM head (one per-row scale per
 vocabulary entry, shared when the two are tied) are quantized; norms, the MoE router and the fused
@@ -15,22 +15,15 @@ MoE experts stay in the model dtype.
 int4 (parallel/int4.py) is group-wise (32 input features per scale and zero, GGUF's Q4_1 block) for
 the linears; a layer whose rank shard is not a whole number of groups wide (or whose output rows do
 not fill the kernel's 16-row tiles) takes int8 instead, with a warning. The embedding and LM head
-take `INT4_VOCAB_METHOD` (see there).
+take `INT4_VOCAB_METHOD` (parallel/weight_processing.py). This module holds the kernels only; which
+layer gets which form is the layers' business.
 """
-
-import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from parallel.int4 import GROUP_SIZE, Int4Weight, int4_embedding, int4_linear, kernel_available
-
-QUANTIZATION_METHODS = ("int8", "int4")
-# What `quantization="int4"` does with the embedding and the LM head (tied in most small models):
-# "int8", "int4", or None (they stay in the model dtype).
-INT4_VOCAB_METHOD: str | None = "int8"
-logger = logging.getLogger(__name__)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,35 +113,3 @@ def quantized_embedding(layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return int4_embedding(ids, layer.int4)
     scale = layer.weight_scale[ids, None]
     return F.embedding(ids, layer.qweight).to(scale.dtype) * scale
-
-
-def quantize_model(model: nn.Module, method: str) -> int:
-    """Quantize every tensor-parallel linear, the embedding and the LM head of a loaded model;
-    returns how many layers."""
-    from parallel.layers import LinearBase, ReplicatedLinear, VocabParallelEmbedding
-
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization: {method!r} is not supported; supported: {QUANTIZATION_METHODS}")
-    kinds = (LinearBase, VocabParallelEmbedding)
-    layers = [m for m in model.modules() if isinstance(m, kinds) and not isinstance(m, ReplicatedLinear)]
-    shared: dict = {}
-    narrow, quantized = [], 0
-    for layer in layers:
-        layer_method = method
-        if method == "int4" and isinstance(layer, VocabParallelEmbedding):
-            layer_method = INT4_VOCAB_METHOD
-            if layer_method is None:
-                continue
-        if layer_method == "int4" and not int4_fits(layer.weight):
-            layer_method = "int8"
-            narrow.append(tuple(layer.weight.shape))
-        quantize_linear_(layer, shared, layer_method)
-        quantized += 1
-    if narrow:
-        logger.warning(
-            "int4: %d layers whose shard is not a multiple of %d inputs (or 16 outputs) wide took int8: %s",
-            len(narrow),
-            GROUP_SIZE,
-            sorted(set(narrow)),
-        )
-    return quantized

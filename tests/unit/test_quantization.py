@@ -17,9 +17,10 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.model_runner import ModelInput, ModelRunner
+from models.loader import process_weights_after_loading
 from parallel.int4 import Int4Weight, dequantize_int4, int4_linear, quantize_int4
 from parallel.layers import ColumnParallelLinear, LinearBase, RowParallelLinear, VocabParallelEmbedding
-from parallel.quantization import int4_fits, int8_linear, quantize_int8, quantize_linear_, quantize_model
+from parallel.quantization import int4_fits, int8_linear, quantize_int8, quantize_linear_
 
 SETTINGS = {
     "bf16": (dict(dtype="bfloat16"), 0.05, 0.85),
@@ -233,8 +234,8 @@ def test_int4_shard_not_a_whole_number_of_groups_takes_int8(caplog):
     model = torch.nn.Sequential(RowParallelLinear(96, 64, reduce_results=False, tp_rank=1, tp_size=2))
     weight = torch.randn(64, 96)
     model[0].weight.weight_loader(model[0].weight, weight)
-    with caplog.at_level("WARNING", logger="parallel.quantization"):
-        quantize_model(model, "int4")
+    with caplog.at_level("WARNING", logger="parallel.weight_processing"):
+        process_weights_after_loading(model, "int4")
     assert model[0].quantization == "int8"
     assert "took int8" in caplog.text and "(64, 48)" in caplog.text
     x = torch.randn(2, 48)
