@@ -1,5 +1,6 @@
 """Helpers every benchmark shares: what machine ran it, timing, and writing results (JSON + PNG)."""
 
+import importlib.metadata
 import json
 import os
 import platform
@@ -9,11 +10,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# The instruction-set extensions that decide which kernels torch and oneDNN run (flag in /proc/cpuinfo,
+# name in the machine line): bf16 linears need AVX512-BF16 or AMX, the int8/int4 kernels use VNNI.
+VECTOR_EXTENSIONS = (("avx512_bf16", "AVX512-BF16"), ("avx512_vnni", "AVX512-VNNI"), ("amx_tile", "AMX"))
+
 
 def cpu_model() -> str:
-    """The CPU's name from /proc/cpuinfo (Linux) with its family and model numbers and whether it has
-    AVX-512, else what `platform` knows. A VM often names only "AMD EPYC", and two EPYC generations
-    behind that name ran these benchmarks 2-4x apart (the oneDNN linears gain most with AVX-512)."""
+    """The CPU's name from /proc/cpuinfo (Linux) with its family and model numbers and its vector
+    extensions (AVX-512 or only AVX2, and those of VECTOR_EXTENSIONS it has), else what `platform` knows.
+    A VM often names only "AMD EPYC", and different EPYC generations hide behind that name; which
+    kernels run, and so every figure, depends on these flags (bench/README.md says by how much)."""
     fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -25,20 +31,41 @@ def cpu_model() -> str:
         return platform.processor() or platform.machine()
     flags = set(fields.get("flags", "").split())
     vector = "AVX-512" if "avx512f" in flags else "AVX2, no AVX-512" if "avx2" in flags else "no AVX2"
+    vector = ", ".join([vector] + [name for flag, name in VECTOR_EXTENSIONS if flag in flags])
     family, model = fields.get("cpu family"), fields.get("model")
     return f"{fields['model name']} (family {family}, model {model}; {vector})"
 
 
+def usable_cores() -> int:
+    # sched_getaffinity, not cpu_count: a container or taskset may give us fewer cores than the host has.
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def machine_info() -> dict[str, Any]:
+    """The machine line of a benchmark that runs a model in its own process."""
     import torch
 
-    # sched_getaffinity, not cpu_count: a container or taskset may give us fewer cores than the host has.
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
         "cpu": cpu_model(),
-        "cores": cores,
+        "cores": usable_cores(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def client_machine() -> dict[str, Any]:
+    """The machine line of an HTTP client benchmark (`bench serve`, `bench compare`): the machine the
+    client runs on, which is the servers' too when the command starts them. The installed torch's
+    version is read from the package metadata, so a client does not pay torch's import."""
+    try:
+        torch_version: str | None = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = None
+    return {
+        "cpu": cpu_model(),
+        "cores": usable_cores(),
+        "torch": torch_version,
         "python": platform.python_version(),
     }
 

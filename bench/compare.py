@@ -44,7 +44,7 @@ from typing import Any, Protocol
 
 from bench.apps import LocalServe, LocalServeError
 from bench.client import Endpoint, make_client
-from bench.common import print_table, write_json
+from bench.common import client_machine, print_table, write_json
 from bench.datasets import BenchRequest, DatasetUnavailable, add_dataset_arguments, requests_from_args
 from bench.llama_server import LlamaServer, LlamaServerError
 from bench.metrics import RequestRecord, summarize
@@ -54,7 +54,6 @@ from bench.serve import (
     SweepSettings,
     add_api_key_argument,
     add_sweep_arguments,
-    client_machine,
     json_safe,
     measure_point,
     settings_from_args,

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stat",
         choices=("median", "min"),
         default="median",
-        help="--int4: per-call figure; min where other processes share the cores (it drops their stalls)",
+        help="per-call figure; min where other processes share the cores (it drops their stalls)",
     )
 
 
@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     machine = machine_info()
     print(
         f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, "
-        f"{machine['torch_threads']} threads; {args.layers} layers of {SHAPES} (in, out), {args.dtype}"
+        f"{machine['torch_threads']} threads; {args.layers} layers of {SHAPES} (in, out), {args.dtype}; "
+        f"ms for all {args.layers} layers, {args.stat} of {args.repeats}"
     )
     g = torch.Generator().manual_seed(0)
     dense = [[torch.randn(n, k, generator=g).to(dtype) for k, n in SHAPES] for _ in range(args.layers)]
@@ -86,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
                     seconds = timed(lambda side=side, xs=xs: side(xs))[0]
                     if i >= 2:
                         ms[name].append(seconds * 1e3)
-            rows.append({"tokens": m, **{f"{name}_ms": statistics.median(v) for name, v in ms.items()}})
+            stat = min if args.stat == "min" else statistics.median
+            rows.append({"tokens": m, **{f"{name}_ms": stat(v) for name, v in ms.items()}})
     table = []
     for r in rows:
         speedup = r["torch_ms"] / r["onednn_ms"]
@@ -95,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"other processes used {100 * (load.fraction or 0):.0f}% of the CPUs")
     if args.out:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"}
-        write_json(args.out / "linears.json", {"machine": machine, "args": settings, "rows": rows})
+        result = {"machine": machine, "args": settings, "other_load": load.fraction, "rows": rows}
+        write_json(args.out / "linears.json", result)
     return 0
 
 
@@ -167,5 +170,6 @@ def run_int4(args: argparse.Namespace) -> int:
     print(f"other processes used {100 * (load.fraction or 0):.0f}% of the CPUs")
     if args.out:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"}
-        write_json(args.out / "linears_int4.json", {"machine": machine, "args": settings, "rows": rows})
+        result = {"machine": machine, "args": settings, "other_load": load.fraction, "rows": rows}
+        write_json(args.out / "linears_int4.json", result)
     return 0

@@ -22,13 +22,15 @@ Parts, each with its goal (a goal that is not met is written as such, with the m
 
 Parts 2-5 run against two apps this command deploys in one in-process Ray + Serve (bench/apps.py,
 configs from bench/serving.py, written to OUT/configs/): `main` (prefix caching on) and `nocache`.
-The serving model is the demo Llama unless `--model DIR`; its 1,024-token prefill costs ~20x a
-48-token one on one thread, so the shared system prompt dominates the cache-off TTFT. Other load
+The serving model is the demo Llama unless `--model DIR`; the shared system prompt (`--prefix-len`
+tokens) is most of each prompt, so its prefill dominates the cache-off TTFT. Other load
 is measured per part as the CPU used by processes outside this command's process tree (its Ray
 included) and printed with the part; on two cores figures under much other load are not reliable.
 
 `--update-docs` replaces what lies between `<!-- bench-report:NAME -->` and `<!-- /bench-report:NAME -->`
-in README.md (NAME = summary) and bench/README.md (NAME = full) under `--docs-root`.
+in README.md (NAME = summary) and bench/README.md (NAME = full) under `--docs-root`, and copies
+report.json to bench/results/report.json there, which the rewritten sections name: the figures in the
+docs and the JSON they came from are checked in together.
 """
 
 import argparse
@@ -47,6 +49,7 @@ from bench.common import OtherLoad, machine_info, process_tree_cpu_s, write_json
 PARTS = ("engine", "overhead", "routing", "prefix", "sweep")
 REPO = Path(__file__).resolve().parent.parent
 DOCS = {"summary": "README.md", "full": "bench/README.md"}
+KEPT_JSON = "bench/results/report.json"  # under --docs-root; what --update-docs checks in beside the docs
 PREFIX_GOAL = 3.0
 
 
@@ -299,6 +302,8 @@ def run(args: argparse.Namespace) -> int:
         "quick": args.quick,
         "parts": {},
     }
+    if args.update_docs:
+        report["kept_json"] = KEPT_JSON
     args.out.mkdir(parents=True, exist_ok=True)
     if "engine" in todo:  # first, alone: no idle Ray processes beside it
         report["parts"]["engine"] = measured("engine", lambda: run_engine(args))
@@ -326,6 +331,8 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     if args.update_docs:
+        write_json(args.docs_root / KEPT_JSON, json_safe(report))
+        print(f"wrote {args.docs_root / KEPT_JSON}")
         for name, content in (("summary", summary), ("full", full)):
             path = args.docs_root / DOCS[name]
             path.write_text(replace_marked(path.read_text(), name, content, path))

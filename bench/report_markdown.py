@@ -28,6 +28,11 @@ def machine_line(report: dict[str, Any]) -> str:
     return f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, Python {m['python']}"
 
 
+def kept_json_text(report: dict[str, Any]) -> str:
+    """Where the run's JSON is checked in (`--update-docs`), as a sentence; empty otherwise."""
+    return f" JSON: `{report['kept_json']}`." if report.get("kept_json") else ""
+
+
 def serving_model_line(report: dict[str, Any]) -> str:
     model = report.get("serving_model")
     if not model:
@@ -304,7 +309,8 @@ TITLES = {
 def full_markdown(report: dict[str, Any]) -> str:
     blocks = [
         f"Measured {report['date']} with `{report['command']}` on {machine_line(report)}"
-        + (" (a `--quick` run: few requests, rough figures)." if report["quick"] else "."),
+        + (" (a `--quick` run: few requests, rough figures)." if report["quick"] else ".")
+        + kept_json_text(report),
     ]
     if line := serving_model_line(report):
         blocks.append(line)
@@ -387,7 +393,8 @@ def summary_markdown(report: dict[str, Any]) -> str:
         f"models: {'; '.join(models) or 'none'}. Other processes used up to {load} of the CPUs "
         "during a part"
         + (f" (over 10% in {', '.join(noisy)}: those figures are rough)" if noisy else "")
-        + ". Tables and workloads: bench/README.md.",
+        + ". Tables and workloads: bench/README.md."
+        + kept_json_text(report),
         "",
         table(["what", "goal", "measured", "goal met"], summary_rows(report)),
     ]

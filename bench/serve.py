@@ -15,7 +15,6 @@ import asyncio
 import datetime
 import math
 import os
-import platform
 import sys
 import time
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.client import Endpoint, RequestOptions, make_client, run_requests, send_one
-from bench.common import OtherLoad, cpu_model, print_table, pyplot, write_json
+from bench.common import OtherLoad, client_machine, print_table, pyplot, write_json
 from bench.datasets import BenchRequest, DatasetUnavailable, add_dataset_arguments, requests_from_args
 from bench.metrics import LATENCIES, Slo, parse_slo, summarize
 
@@ -208,11 +207,6 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [json_safe(v) for v in value]
     return value
-
-
-def client_machine() -> dict[str, Any]:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": cpu_model(), "cores": cores, "python": platform.python_version()}
 
 
 def print_header(endpoint: Endpoint, dataset: dict[str, Any], results: list[dict[str, Any]]) -> None:

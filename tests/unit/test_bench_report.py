@@ -164,3 +164,10 @@ def test_the_report_says_how_much_of_the_overhead_is_serves_own():
         "adds **21.0 ms** to TTFT p50 and **28.0 ms** to E2E p50; "
         "raylane's own code the rest, +3.0 ms and +18.0 ms" in full
     )
+
+
+def test_a_report_that_updates_the_docs_names_its_checked_in_json():
+    data = report([(1, 100.0), (2, 150.0)], gain=6.0) | {"kept_json": "bench/results/report.json"}
+    assert "JSON: `bench/results/report.json`." in full_markdown(data)
+    assert "JSON: `bench/results/report.json`." in summary_markdown(data)
+    assert "bench/results/report.json" not in full_markdown(report([(1, 100.0), (2, 150.0)], gain=6.0))
