@@ -4,7 +4,7 @@ The same chat requests go (a) over HTTP through Serve's proxy, the gateway (auth
 router's resolve/plan/admission) and the pool replica, streamed with the official `openai` client,
 and (b) straight to an `AsyncLLM` in this process built from the same pool's engine config, with the
 prompt rendered and the sampling parameters made by the same code the pool uses
-(`OpenAIServing.render_chat`, `deployments.sampling.chat_params`). Request i goes to both, in turn
+(`OpenAIServingChat.render_chat`, `deployments.sampling.chat_params`). Request i goes to both, in turn
 (HTTP first for even i, the engine first for odd i), so a slow spell of the machine hits both sides.
 
 With `floor_url` (the command deploys it), request i goes, right after the in-process engine, to a
@@ -93,12 +93,12 @@ class InProcessEngine:
     def __init__(self, pool: PoolConfig, torch_threads: int):
         import torch
 
-        from deployments.serving import OpenAIServing
+        from deployments.serving_chat import OpenAIServingChat
         from engine import AsyncLLM
 
         torch.set_num_threads(torch_threads)  # before the engine thread starts: it inherits the count
         self.llm = AsyncLLM(pool.engine_config())
-        self.serving = OpenAIServing(self.llm, pool.model_id, self.llm.max_model_len)
+        self.serving = OpenAIServingChat(self.llm, pool.model_id, self.llm.max_model_len)
         self.model_id = pool.model_id
 
     async def torch_threads(self) -> int:

@@ -1,7 +1,7 @@
 """`raylane status`: the live cluster's pools, replicas and load, as a terminal table.
 
 Replica counts and health come from Ray Serve (`serve.status()`); load from the app's metrics
-aggregator (deployments/metrics.py): requests running and waiting and KV-cache use per replica
+aggregator (deployments/metrics/aggregator.py): requests running and waiting and KV-cache use per replica
 (as each replica last reported, about a second ago), tokens/s and the error rate over the last
 minute or so.
 
@@ -90,7 +90,7 @@ def collect(app_name: str = "raylane") -> tuple[list[PoolRow], dict]:
 def _snapshot(app_name: str) -> dict | None:
     import ray
 
-    from deployments.metrics import get_aggregator
+    from deployments.metrics.aggregator import get_aggregator
 
     try:
         return ray.get(get_aggregator(app_name, create=False).snapshot.remote(), timeout=30)

@@ -15,18 +15,13 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from cluster.config import PoolConfig
-from deployments.errors import OpenAIError
-from deployments.metrics import (
-    FinalItem,
-    MeteredLLM,
-    MetricsReporter,
-    PoolMetrics,
-    RequestSummary,
-    engine_stats,
-)
+from deployments.metrics.pool import MeteredLLM, PoolMetrics, engine_stats
+from deployments.metrics.reporter import MetricsReporter
 from deployments.openai_schemas import ChatCompletionRequest, CompletionRequest
 from deployments.sampling import ToolPlan
-from deployments.serving import DONE, OpenAIServing
+from deployments.serving_chat import OpenAIServingChat
+from deployments.serving_completion import OpenAIServingCompletion
+from deployments.wire import PoolItem
 from engine import AsyncLLM, SamplingParams
 from engine.grammar_compiler import GrammarCompileService, tokenizer_info_json
 
@@ -49,7 +44,9 @@ class ModelPool:
         metered = MeteredLLM(self.llm, self.metrics)
         # A client's grammar compiles in a worker process, bounded in time, not on the engine loop.
         self.grammar = GrammarCompileService(lambda: self.llm.run_in_engine(tokenizer_info_json))
-        self.serving = OpenAIServing(metered, self.pool.model_id, self.llm.max_model_len, self.grammar)
+        args = (metered, self.pool.model_id, self.llm.max_model_len, self.grammar)
+        self.chat_serving = OpenAIServingChat(*args)
+        self.completion_serving = OpenAIServingCompletion(*args)
 
     async def chat(
         self,
@@ -58,37 +55,25 @@ class ModelPool:
         plan: ToolPlan,
         request_id: str,
         priority: int = 0,
-    ) -> AsyncIterator[str | OpenAIError | FinalItem | RequestSummary]:
+    ) -> AsyncIterator[PoolItem]:
         """`priority` is the caller's tier's (lower is served first); the engine schedules by it.
-        The response's last item comes as a `FinalItem` with the request's `RequestSummary` (tokens,
-        TTFT, finish reason) for the request log."""
-        async for item in self._summarized(
-            self.serving.chat(request, params, plan, request_id, priority), request_id, bool(request.stream)
-        ):
+        The response's last item is a `FinalItem` with the request's `RequestSummary` (tokens, TTFT,
+        finish reason) for the request log (deployments/wire.py)."""
+        async for item in self._forward(self.chat_serving.chat(request, params, plan, request_id, priority)):
             yield item
 
     async def completions(
         self, request: CompletionRequest, params: SamplingParams, request_id: str, priority: int = 0
-    ) -> AsyncIterator[str | OpenAIError | FinalItem | RequestSummary]:
-        async for item in self._summarized(
-            self.serving.completion(request, params, request_id, priority), request_id, bool(request.stream)
-        ):
+    ) -> AsyncIterator[PoolItem]:
+        items = self.completion_serving.completion(request, params, request_id, priority)
+        async for item in self._forward(items):
             yield item
 
-    async def _summarized(self, items: AsyncIterator, request_id: str, streaming: bool) -> AsyncIterator:
+    async def _forward(self, items: AsyncIterator[PoolItem]) -> AsyncIterator[PoolItem]:
         self.reporter.start()
-        try:
-            async with aclosing(items):  # leaving early aborts the engine request at once
-                async for item in items:
-                    if isinstance(item, str) and (not streaming or item.endswith(DONE)):
-                        # The engine request has finished, so its summary is recorded.
-                        item = FinalItem(item, self.metrics.pop_summary(request_id))
-                    yield item
-            # A stream the engine's failure ended (an error event, no [DONE]): what it generated.
-            if (summary := self.metrics.pop_summary(request_id)) is not None:
-                yield summary
-        finally:
-            self.metrics.pop_summary(request_id)  # the client left early: forget it
+        async with aclosing(items):  # leaving early aborts the engine request at once
+            async for item in items:
+                yield item
 
     async def _gauges(self) -> tuple[dict, dict]:
         """Engine state for the metrics reporter (the counters stay as they were if the engine died)."""

@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from deployments.errors import OpenAIError, invalid
+from deployments.errors import OpenAIError, from_validation_error, invalid
 
 MAX_JSON_DEPTH = 64  # real tool schemas nest a dozen levels; json.loads itself gives up near 1000
 
@@ -70,6 +71,15 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
             code="invalid_encoding",
         )
     return data
+
+
+async def parse_body(request: Request, model: type[BaseModel], max_bytes: int) -> Any:
+    """The body as `model`, or a 4xx naming what is wrong (size and nesting first, then the JSON)."""
+    data = await read_json_object(request, max_bytes)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
 
 
 def unencodable_text(value: Any) -> str | None:

@@ -30,6 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from deployments.metrics.gateway import gateway_metrics
+from deployments.wire import RequestSummary
+
 REQUEST_ID_HEADER = "x-request-id"
 MAX_PROMPT_BODY = 1 << 20  # with RAYLANE_LOG_PROMPTS, bodies larger than this are not logged
 
@@ -109,8 +112,8 @@ def current_record() -> RequestRecord | None:
     return _current.get()
 
 
-def note_summary(summary) -> None:
-    """Add a pool's `deployments.metrics.RequestSummary` to the current request's record."""
+def note_summary(summary: RequestSummary) -> None:
+    """Add a pool's `RequestSummary` (from its last item) to the current request's record."""
     record = _current.get()
     if record is None:
         return
@@ -264,22 +267,8 @@ def _prompt_of(body: bytes) -> Any:
 
 
 def _default_complete(record: RequestRecord) -> None:
-    from deployments.metrics import gateway_metrics
-
     gateway_metrics().observe(record)
     write(record)
-
-
-async def note_trailing_summary(call) -> None:
-    """After a whole (non-streamed) response: take the pool's summary that follows it, if any."""
-    from deployments.metrics import RequestSummary
-
-    try:
-        item = await call.__anext__()
-    except Exception:  # StopAsyncIteration: an older pool, or none
-        return
-    if isinstance(item, RequestSummary):
-        note_summary(item)
 
 
 async def router_timed(awaitable):

@@ -198,13 +198,14 @@ class _DyingEngine:
 
 def test_engine_failure_is_a_5xx_in_openai_shape():
     from deployments.errors import OpenAIError
-    from deployments.gateway import pool_failure
     from deployments.openai_schemas import CompletionRequest
+    from deployments.pool_failures import pool_failure
     from deployments.sampling import completion_params
-    from deployments.serving import OpenAIServing
+    from deployments.serving_completion import OpenAIServingCompletion
+    from deployments.wire import FinalItem
 
     async def items(tokens_before_death: int, stream: bool) -> list:
-        serving = OpenAIServing(_DyingEngine(tokens_before_death), "m", max_model_len=100)
+        serving = OpenAIServingCompletion(_DyingEngine(tokens_before_death), "m", max_model_len=100)
         req = CompletionRequest(model="m", prompt=[1, 2, 3], stream=stream)
         return [item async for item in serving.completion(req, completion_params(req), "r1")]
 
@@ -215,6 +216,6 @@ def test_engine_failure_is_a_5xx_in_openai_shape():
     assert isinstance(error, OpenAIError) and error.status == 503
     *chunks, last = asyncio.run(items(2, stream=True))  # dies mid-stream: an error event ends it
     assert [json.loads(c[6:])["choices"][0]["text"] for c in chunks] == ["t0", "t1"]
-    assert json.loads(last[6:])["error"]["code"] == "service_unavailable"
+    assert isinstance(last, FinalItem) and json.loads(last.item[6:])["error"]["code"] == "service_unavailable"
     crashed = pool_failure(RuntimeError("replica crashed"))
     assert crashed.status == 500 and crashed.to_dict()["error"]["type"] == "internal_server_error"

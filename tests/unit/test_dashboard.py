@@ -12,12 +12,14 @@ DASHBOARDS = Path(__file__).parents[2] / "k8s" / "dashboards"
 
 def exported_sample_names() -> set[str]:
     """Sample names in the aggregate `/metrics` renders after one request of every kind."""
-    from deployments.metrics import GatewayMetrics, MetricsAggregator, PoolMetrics, RequestTracker
+    from deployments.metrics.aggregator import MetricsAggregator
+    from deployments.metrics.gateway import GatewayMetrics
+    from deployments.metrics.pool import PoolMetrics, RequestTracker
     from deployments.request_log import RequestRecord
     from engine.outputs import CompletionOutput, RequestOutput
 
     pool = PoolMetrics("chat", "m")
-    tracker = RequestTracker(pool, "r", delta=True)
+    tracker = RequestTracker(pool, delta=True)
     for tokens, reason in (([1], None), ([2], "stop")):
         metrics = {"time_to_first_token": 0.1, "e2e_latency": 0.2}
         tracker.observe(

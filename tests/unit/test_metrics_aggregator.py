@@ -1,7 +1,8 @@
 """The aggregate that `/metrics` serves: totals that never go backwards when replicas come and go,
 reports applied at most once, gauges per live replica, and vLLM-style per-request recording."""
 
-from deployments.metrics import MeteredLLM, MetricsAggregator, PoolMetrics, RequestTracker, render
+from deployments.metrics.aggregator import MetricsAggregator, render
+from deployments.metrics.pool import MeteredLLM, PoolMetrics, RequestTracker
 from engine.outputs import CompletionOutput, RequestOutput
 
 
@@ -50,7 +51,7 @@ def test_a_replica_that_goes_away_keeps_its_counts_in_the_totals():
 
 def test_a_streamed_request_is_recorded_like_vllm():
     metrics = PoolMetrics("chat", "m")
-    tracker = RequestTracker(metrics, "r", delta=True)
+    tracker = RequestTracker(metrics, delta=True)
     tracker.observe(output([5]))
     tracker.observe(output([6, 7]))
     tracker.observe(output([8], reason="stop", e2e=0.5))
@@ -64,12 +65,13 @@ def test_a_streamed_request_is_recorded_like_vllm():
     assert total(aggregator, ttft, f"{ttft}_count") == 1
     itl = "raylane_inter_token_latency_seconds"
     assert total(aggregator, itl, f"{itl}_count") == 2  # between the three token-bearing outputs
-    assert metrics.pop_summary("r").finish_reason == "stop" and metrics.summaries == {}
+    summary = tracker.summary  # what the pool sends the gateway with the last item
+    assert (summary.prompt_tokens, summary.completion_tokens, summary.finish_reason) == (3, 4, "stop")
 
 
 def test_a_request_left_early_counts_as_aborted():
     metrics = PoolMetrics("chat", "m")
-    tracker = RequestTracker(metrics, "r", delta=True)
+    tracker = RequestTracker(metrics, delta=True)
     tracker.observe(output([5]))
     tracker.close("abort")
     values = metrics.counter_values()

@@ -7,8 +7,8 @@ import json
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from deployments.metrics import RequestSummary
 from deployments.request_log import RequestLogMiddleware, RequestRecord, note_summary, router_timed
+from deployments.wire import RequestSummary
 
 SECRET = "my-secret-prompt-words"
 API_KEY = "sk-very-secret-key"

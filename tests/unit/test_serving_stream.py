@@ -1,13 +1,17 @@
 """What a pool replica streams to the gateway: one item per engine output, so each Serve hop (pool ->
 gateway -> proxy) passes on as few messages as the tokens allow (every message costs each process
-CPU that the engine thread then lacks; `raylane bench overhead`)."""
+CPU that the engine thread then lacks; `raylane bench overhead`). The last item carries the request's
+summary for the gateway's request log, so no further message is needed."""
 
 import asyncio
 import json
 
+from deployments.metrics.pool import MeteredLLM, PoolMetrics
 from deployments.openai_schemas import ChatCompletionRequest, CompletionRequest
 from deployments.sampling import chat_params, completion_params
-from deployments.serving import OpenAIServing
+from deployments.serving_chat import OpenAIServingChat
+from deployments.serving_completion import OpenAIServingCompletion
+from deployments.wire import FinalItem
 from engine import AsyncLLM
 
 
@@ -17,29 +21,40 @@ def events(item: str) -> list[dict | str]:
     return [p if p == "[DONE]" else json.loads(p) for p in payloads]
 
 
-async def stream(serving: OpenAIServing, body: dict) -> list[str]:
+async def stream(llm, body: dict) -> list:
     if "messages" in body:
         req = ChatCompletionRequest.model_validate(body)
         params, plan = chat_params(req)
-        items = serving.chat(req, params, plan, "r1")
+        items = OpenAIServingChat(llm, "chat", 2048).chat(req, params, plan, "r1")
     else:
         req = CompletionRequest.model_validate(body)
-        items = serving.completion(req, completion_params(req), "r2")
+        items = OpenAIServingCompletion(llm, "chat", 2048).completion(req, completion_params(req), "r2")
     return [item async for item in items]
 
 
 def test_each_streamed_item_is_one_engine_output_with_the_opening_and_closing_events_folded_in(demo_models):
-    llm = AsyncLLM(model=str(demo_models["raylane-llama-tiny"]), num_kv_blocks=64)
-    serving = OpenAIServing(llm, "chat", 2048)
+    engine = AsyncLLM(model=str(demo_models["raylane-llama-tiny"]), num_kv_blocks=64)
+    llm = MeteredLLM(engine, PoolMetrics("chat", "m"))  # as the pool runs it
     common = {"model": "chat", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True}
     usage = {"stream_options": {"include_usage": True}}
     try:
-        chat = asyncio.run(
-            stream(serving, {**common, **usage, "messages": [{"role": "user", "content": "hi"}]})
-        )
-        text = asyncio.run(stream(serving, {**common, **usage, "prompt": "Once upon", "echo": True}))
+        chat = asyncio.run(stream(llm, {**common, **usage, "messages": [{"role": "user", "content": "hi"}]}))
+        text = asyncio.run(stream(llm, {**common, **usage, "prompt": "Once upon", "echo": True}))
+        batch = {**common, "stream": False, "prompt": ["Once upon", "a time"]}
+        [whole] = asyncio.run(stream(llm, batch))
     finally:
-        llm.shutdown()
+        engine.shutdown()
+
+    # The last item says it is the last and carries what the request log needs.
+    assert all(isinstance(item, str) for item in chat[:-1] + text[:-1])
+    assert isinstance(chat[-1], FinalItem) and isinstance(text[-1], FinalItem)
+    assert (chat[-1].summary.completion_tokens, chat[-1].summary.finish_reason) == (6, "length")
+    chat[-1], text[-1] = chat[-1].item, text[-1].item
+    # A batch of prompts is one engine request each: the summary adds them up.
+    body = json.loads(whole.item)
+    assert whole.summary.completion_tokens == body["usage"]["completion_tokens"] == 12
+    assert whole.summary.prompt_tokens == body["usage"]["prompt_tokens"]
+    assert whole.summary.finish_reason == "length" and whole.summary.ttft_s is not None
 
     # Chat: the role event travels with the first token, so the gateway's first item already carries
     # text; the last token, the finish event, usage and [DONE] travel as one. At most one item per token

@@ -1,0 +1,203 @@
+"""Sending a request down its route's fallback chain until one pool answers.
+
+`start(handle, priority)` calls a pool with `stream=True`. The pool's first item decides the
+response (deployments/wire.py): an `OpenAIError`, a whole JSON response, or the first SSE event of a
+stream, which `relay` then passes on as it comes. A pool that fails before its first item (an error,
+a 503, an outage the health loop found, a prompt longer than its context window) hands the request
+to the next pool of the chain; after the first item nothing is retried. What the client got wrong (a
+4xx, yielded or raised by the pool) is answered at once: no fallback, no circuit-breaker count. An
+error that may be the request's own is counted against its pool only once another pool has done
+otherwise: the same failure in two pools marks a poisoned request (deployments/pool_failures.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from cluster.config import ClusterConfig
+from deployments.drain import DrainWatcher
+from deployments.errors import OpenAIError, client_error, internal_error, invalid, unavailable
+from deployments.pool_failures import PoolFailure, failure_signature, is_backpressure, poisoned, pool_failure
+from deployments.pool_health import PoolHealth, PoolOutage
+from deployments.relay import SSE_HEADERS, drain_later, relay
+from deployments.request_log import note_summary
+from deployments.wire import FinalItem, PoolItem
+from router import DispatchPlan, FallbackReason, Principal, Resolution, Router, RouterError, Slot
+from router.errors import ContextLengthError
+
+logger = logging.getLogger(__name__)
+
+StartCall = Callable[[Any, int], Any]  # (pool handle, priority) -> the pool's streaming call
+
+
+def error_response(error: OpenAIError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error.to_dict(), status_code=error.status, headers=headers)
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        router: Router,
+        pools: dict[str, Any],
+        health: PoolHealth,
+        drain: DrainWatcher,
+    ) -> None:
+        self.config, self.router, self.pools, self.health, self.drain = config, router, pools, health, drain
+
+    async def dispatch(
+        self,
+        principal: Principal,
+        resolution: Resolution,
+        n: int,
+        streaming: bool,
+        request_id: str,
+        start: StartCall,
+    ) -> Response:
+        """Walk the fallback chain: the first pool whose first item is not a failure answers. A
+        request counts as in flight (for the drain) until its response, or its stream, ends."""
+        self.drain.in_flight += 1
+        streaming_response = False
+        try:
+            response = await self._dispatch(principal, resolution, n, streaming, request_id, start)
+            streaming_response = isinstance(response, StreamingResponse)
+            return response
+        finally:
+            if not streaming_response:  # a stream counts until its relay ends
+                self.drain.in_flight -= 1
+
+    async def _dispatch(
+        self,
+        principal: Principal,
+        resolution: Resolution,
+        n: int,
+        streaming: bool,
+        request_id: str,
+        start: StartCall,
+    ) -> Response:
+        first_pool = self.config.pool(resolution.pools[0])
+        if n > first_pool.max_n:
+            raise invalid(
+                "n", f"n must be at most {first_pool.max_n} for model {resolution.model!r}, got {n}."
+            )
+        plan = self.router.plan(principal, resolution)
+        suspects: list[tuple[Slot, PoolFailure]] = []  # failures not yet counted against their pool
+        try:
+            return await self._walk(plan, principal, streaming, request_id, start, suspects)
+        finally:
+            for suspect, _ in suspects:  # no other pool failed the same way: they were the pools'
+                suspect.blame()
+
+    async def _walk(
+        self,
+        plan: DispatchPlan,
+        principal: Principal,
+        streaming: bool,
+        request_id: str,
+        start: StartCall,
+        suspects: list[tuple[Slot, PoolFailure]],
+    ) -> Response:
+        rejected: OpenAIError | None = None  # a pool's context-length answer, if every pool gives one
+        while True:
+            try:
+                slot = await plan.next_slot()
+            except RouterError as e:
+                headers = plan.headers() | {"x-request-id": request_id}
+                if isinstance(e, ContextLengthError) and rejected is not None:
+                    return error_response(rejected, headers)
+                logger.info("request %s (%s) not served: %s", request_id, principal.key_id, e)
+                return JSONResponse(e.to_openai(), status_code=e.status, headers=headers | e.headers())
+            call = start(self.pools[slot.pool].options(stream=True), plan.priority)
+            first = await self.first_item(call, slot, plan)
+            if isinstance(first, PoolFailure):
+                if first.reason is FallbackReason.SATURATED:
+                    continue  # reported already: busy, not broken
+                twin = next((f for _, f in suspects if f.signature == first.signature), None)
+                if first.signature is None:
+                    slot.failed(first.reason)  # the pool's health: counted now
+                elif twin is None:
+                    slot.suspect(first.reason)
+                    suspects.append((slot, first))
+                else:  # the same failure twice: the request's, not the pools'
+                    slot.forgive()
+                    for suspect, _ in suspects:
+                        suspect.forgive()
+                    logger.error("request %s is poisoned: %s", request_id, first.signature)
+                    return error_response(
+                        poisoned(twin, first), plan.headers() | {"x-request-id": request_id}
+                    )
+                continue  # fall back
+            if isinstance(first, OpenAIError) and first.code == "context_length_exceeded":
+                slot.client_error()  # the pool is fine; the prompt is too long for it
+                plan.chain.leave(FallbackReason.CONTEXT_LENGTH)
+                rejected = first
+                continue
+            headers = plan.headers() | {"x-request-id": request_id}
+            if isinstance(first, OpenAIError):  # the client's (4xx): answered as it is
+                slot.client_error()
+                return error_response(first, headers)
+            if not streaming:
+                final = first if isinstance(first, FinalItem) else FinalItem(first)
+                if final.summary is not None:
+                    note_summary(final.summary)
+                drain_later(call)
+                slot.succeeded()
+                self.router.record_usage(principal, _total_tokens(final.item))
+                return Response(final.item, media_type="application/json", headers=headers)
+
+            def on_done(tokens: int) -> None:
+                self.drain.in_flight -= 1
+                self.router.record_usage(principal, tokens)
+
+            return StreamingResponse(
+                relay(first, call, slot, on_done),
+                media_type="text/event-stream",
+                headers=headers | SSE_HEADERS,
+            )
+
+    async def first_item(self, call, slot: Slot, plan: DispatchPlan) -> PoolItem | PoolFailure:
+        """The pool's first item (a client error raised by the pool counts as one), or the failure the
+        chain may fall back from (not yet reported on the slot, except saturation)."""
+        pool = slot.pool
+        try:
+            first = await self.health.first_or_outage(call, pool)
+        except PoolOutage:
+            call.cancel()
+            logger.warning("pool %s went down before answering", pool)
+            return PoolFailure(pool, FallbackReason.UNHEALTHY, unavailable(f"The pool {pool} is down."))
+        except asyncio.CancelledError:
+            call.cancel()
+            slot.abandoned()
+            raise
+        except StopAsyncIteration:
+            logger.error("pool %s returned nothing", pool)
+            return PoolFailure(
+                pool, FallbackReason.ERROR, internal_error(f"The pool {pool} returned nothing.")
+            )
+        except Exception as e:
+            if (client := client_error(e)) is not None:
+                return client
+            if is_backpressure(e):  # Serve's queue for the pool is full: busy, not broken
+                slot.abandoned()
+                plan.chain.leave(FallbackReason.SATURATED)
+                return PoolFailure(pool, FallbackReason.SATURATED, pool_failure(e))
+            error = pool_failure(e)
+            logger.warning("pool %s failed before answering: %s", pool, error.message)
+            return PoolFailure(pool, FallbackReason.ERROR, error, failure_signature(e))
+        if isinstance(first, OpenAIError) and first.status >= 500:
+            logger.warning("pool %s failed before answering: %s", pool, first.message)
+            return PoolFailure(pool, FallbackReason.ERROR, first, failure_signature(first))
+        return first
+
+
+def _total_tokens(body: str) -> int:
+    try:
+        return int(json.loads(body).get("usage", {}).get("total_tokens", 0))
+    except (ValueError, TypeError, AttributeError):
+        return 0

@@ -1,0 +1,46 @@
+"""`/v1/embeddings`, computed in the gateway (MiniLM, from `router.embeddings`), so no pool is needed."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+from fastapi.responses import Response
+
+from cluster.config import EmbeddingsConfig
+from deployments.errors import invalid, model_not_found
+from deployments.openai_schemas import Embedding, EmbeddingRequest, EmbeddingResponse, Usage
+
+
+async def create_embeddings(cfg: EmbeddingsConfig, req: EmbeddingRequest) -> Response:
+    """The response to an authenticated, rate-checked and validated request."""
+    from router import embeddings
+
+    if not cfg.enabled or req.model != cfg.model_id:
+        raise model_not_found(req.model)
+    texts = [req.input] if isinstance(req.input, str) else req.input
+    if not texts:
+        raise invalid("input", "input must not be empty.")
+    if not all(isinstance(t, str) for t in texts):
+        raise invalid("input", f"{cfg.model_id} takes text; token arrays are not supported.")
+    if len(texts) > cfg.max_inputs:
+        raise invalid("input", f"At most {cfg.max_inputs} inputs per request, got {len(texts)}.")
+    if not all(texts):
+        raise invalid("input", "input strings must not be empty.")
+    vectors, counts = await asyncio.to_thread(
+        lambda: (embeddings.embed(texts), embeddings.count_tokens(texts))
+    )
+    if req.dimensions is not None and req.dimensions != vectors.shape[1]:
+        raise invalid("dimensions", f"{cfg.model_id} returns {vectors.shape[1]} dimensions only.")
+    data = [
+        Embedding(index=i, embedding=_encode_vector(v, req.encoding_format)) for i, v in enumerate(vectors)
+    ]
+    usage = Usage(prompt_tokens=sum(counts), total_tokens=sum(counts))
+    body = EmbeddingResponse(data=data, model=cfg.model_id, usage=usage)
+    return Response(body.to_json(), media_type="application/json")
+
+
+def _encode_vector(vector, encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode()
+    return vector.tolist()

@@ -1,0 +1,232 @@
+"""`/v1/chat/completions` on one engine (vLLM's `OpenAIServingChat`): messages through the chat
+template, tool calls parsed from the text, a whole response or SSE chunks out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from deployments.errors import OpenAIError, invalid
+from deployments.openai_schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatMessageOut,
+    ChoiceLogprobs,
+    FunctionCallOut,
+    SystemMessage,
+    TokenLogprob,
+    ToolCallDelta,
+    ToolCallOut,
+    TopLogprob,
+)
+from deployments.sampling import ToolPlan, grammar_param
+from deployments.serving import (
+    OpenAIServing,
+    chain,
+    encode,
+    engine_failure,
+    final_item,
+    last,
+    sse,
+    token_text,
+    usage,
+)
+from deployments.tool_calls import ContentDelta, ToolCallStreamParser, parse_tool_calls
+from deployments.wire import DONE, PoolItem
+from engine import EngineDeadError, RequestOutput, RequestOutputKind, SamplingParams
+from engine.outputs import CompletionOutput
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def chat(
+        self,
+        req: ChatCompletionRequest,
+        params: SamplingParams,
+        plan: ToolPlan,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncIterator[PoolItem]:
+        try:
+            prompt_ids = self.render_chat(req, plan)
+            # Name the limit as the client did (max_completion_tokens wins when both are set).
+            output = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+            self.check_length(len(prompt_ids), params.max_tokens, "messages", output)
+            kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+            engine_params = params.clone(output_kind=kind)
+            await self._compile(engine_params, grammar_param(req))
+            first, gen = await self._start(prompt_ids, engine_params, request_id, "messages", priority)
+        except OpenAIError as e:
+            yield e
+            return
+        response_id, created = f"chatcmpl-{request_id}", int(time.time())
+        async with aclosing(gen):
+            try:
+                if not req.stream:
+                    final = await last(first, gen)
+                    body = self._chat_response(final, params, plan, response_id, created).to_json()
+                    yield final_item(body, [gen])
+                    return
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                chunks = self._chat_chunks(first, gen, params, plan, response_id, created, include_usage)
+                async for chunk in chunks:
+                    yield chunk
+            except EngineDeadError as e:
+                yield engine_failure(e, bool(req.stream), [gen])
+
+    def render_chat(self, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+        tokenizer = self.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise invalid("model", f"{self.model_id} has no chat template; use /v1/completions.")
+        messages = [_template_message(m) for m in req.messages]
+        try:
+            text = tokenizer.apply_chat_template(
+                messages,
+                tools=plan.tools if plan.mode != "none" else None,
+                add_generation_prompt=True,
+                tokenize=False,
+                **(req.chat_template_kwargs or {}),
+            )
+        except Exception as e:  # jinja errors, raise_exception() in a template
+            raise invalid("messages", f"The chat template rejected the messages: {e}") from None
+        return encode(tokenizer, text, "messages")
+
+    def _chat_response(
+        self, final: RequestOutput, params: SamplingParams, plan: ToolPlan, response_id: str, created: int
+    ) -> ChatCompletion:
+        choices = []
+        for comp in final.outputs:
+            content, calls = parse_tool_calls(comp.text) if plan.parse else (comp.text, [])
+            message = ChatMessageOut(role="assistant", content=content)
+            if calls:
+                message.tool_calls = [
+                    ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+                    for c in calls
+                ]
+            finish = plan.finish_reason if calls and comp.finish_reason == "stop" else comp.finish_reason
+            choices.append(
+                ChatChoice(
+                    index=comp.index,
+                    message=message,
+                    logprobs=self._chat_logprobs(comp, params),
+                    finish_reason=finish,
+                )
+            )
+        return ChatCompletion(
+            id=response_id,
+            created=created,
+            model=self.model_id,
+            choices=choices,
+            usage=usage(len(final.prompt_token_ids), [len(c.token_ids) for c in final.outputs], final),
+        )
+
+    async def _chat_chunks(
+        self,
+        first: RequestOutput,
+        gen: AsyncIterator[RequestOutput],
+        params: SamplingParams,
+        plan: ToolPlan,
+        response_id: str,
+        created: int,
+        include_usage: bool,
+    ) -> AsyncIterator[PoolItem]:
+        def chunk(index: int, delta: ChatDelta, logprobs=None, finish_reason=None) -> str:
+            choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+            body = ChatCompletionChunk(id=response_id, created=created, model=self.model_id, choices=[choice])
+            if include_usage:
+                body.usage = None
+            return sse(body)
+
+        n = params.n
+        parsers = [ToolCallStreamParser() if plan.parse else None for _ in range(n)]
+        num_tokens, finished = [0] * n, [False] * n
+        events = [chunk(i, ChatDelta(role="assistant", content="")) for i in range(n)]
+        async for out in chain(first, gen):
+            for comp in out.outputs:
+                i = comp.index
+                if finished[i]:
+                    continue
+                num_tokens[i] += len(comp.token_ids)
+                deltas = _chat_deltas(parsers[i], comp)
+                logprobs = self._chat_logprobs(comp, params)
+                if logprobs is not None and not deltas:
+                    deltas = [ChatDelta(content="")]
+                for j, delta in enumerate(deltas):
+                    events.append(chunk(i, delta, logprobs if j == 0 else None))
+                if comp.finished:
+                    finished[i] = True
+                    calls = parsers[i] is not None and parsers[i].num_calls > 0
+                    reason = (
+                        plan.finish_reason if calls and comp.finish_reason == "stop" else comp.finish_reason
+                    )
+                    events.append(chunk(i, ChatDelta(), finish_reason=reason))
+            if events and not all(finished):  # the last events go out with the closing ones
+                yield "".join(events)
+                events = []
+        if include_usage:
+            body = ChatCompletionChunk(
+                id=response_id,
+                created=created,
+                model=self.model_id,
+                choices=[],
+                usage=usage(len(first.prompt_token_ids), num_tokens, first),
+            )
+            events.append(sse(body))
+        yield final_item("".join([*events, DONE]), [gen])
+
+    def _chat_logprobs(self, comp: CompletionOutput, params: SamplingParams) -> ChoiceLogprobs | None:
+        if params.logprobs is None or comp.logprobs is None:
+            return None
+        content = []
+        for token_id, entry in zip(comp.token_ids, comp.logprobs, strict=False):
+            top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[: params.logprobs]
+            sampled = entry[token_id]
+            content.append(
+                TokenLogprob(
+                    token=token_text(sampled.decoded_token),
+                    logprob=sampled.logprob,
+                    bytes=list(token_text(sampled.decoded_token).encode()),
+                    top_logprobs=[
+                        TopLogprob(
+                            token=token_text(lp.decoded_token),
+                            logprob=lp.logprob,
+                            bytes=list(token_text(lp.decoded_token).encode()),
+                        )
+                        for _, lp in top
+                    ],
+                )
+            )
+        return ChoiceLogprobs(content=content, refusal=None)
+
+
+def _template_message(message) -> dict:
+    data = message.model_dump(exclude_none=True)
+    if isinstance(message, SystemMessage):
+        data["role"] = "system"  # `developer` is OpenAI's new name for it
+    if isinstance(message, AssistantMessage):
+        data.setdefault("content", "")
+    return data
+
+
+def _chat_deltas(parser: ToolCallStreamParser | None, comp: CompletionOutput) -> list[ChatDelta]:
+    if parser is None:
+        return [ChatDelta(content=comp.text)] if comp.text else []
+    events = parser.feed(comp.text) + (parser.finish() if comp.finished else [])
+    deltas = []
+    for ev in events:
+        if isinstance(ev, ContentDelta):
+            deltas.append(ChatDelta(content=ev.text))
+        elif ev.name is not None:
+            fn = FunctionCallOut(name=ev.name, arguments=ev.arguments)
+            deltas.append(
+                ChatDelta(tool_calls=[ToolCallDelta(index=ev.index, id=ev.id, type="function", function=fn)])
+            )
+        else:
+            fn = FunctionCallOut(arguments=ev.arguments)
+            deltas.append(ChatDelta(tool_calls=[ToolCallDelta(index=ev.index, function=fn)]))
+    return deltas

@@ -1,0 +1,70 @@
+"""What crosses the Serve handle from a pool replica to the gateway.
+
+A pool's `chat` / `completions` stream yields `PoolItem`s. The first says how the request went: an
+`OpenAIError` (nothing was generated; the gateway may fall back to another pool), the whole JSON
+response, or the first SSE text of a stream. A stream's later items are SSE text too. The
+response's **last item** is a `FinalItem`: its text (the JSON body, the events ending in `[DONE]`,
+or the error event that ends a stream the engine's failure cut) together with the request's
+`RequestSummary`, so the gateway ends the HTTP response and fills its request log on one message,
+without waiting for another one or for the end of the pool's stream.
+
+The SSE text is made in the pool, so the gateway relays it as it is (one message per engine output).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from deployments.errors import OpenAIError
+
+DONE = "data: [DONE]\n\n"
+ERROR_EVENT_PREFIX = 'data: {"error"'
+
+
+@dataclass(slots=True)
+class RequestSummary:
+    """A finished request's tokens, TTFT and finish reasons, for the gateway's request log. A
+    completions request with several prompts (several engine requests) has their merged summary."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    ttft_s: float | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return ",".join(dict.fromkeys(self.finish_reasons)) or None
+
+    @staticmethod
+    def merge(parts: list[RequestSummary]) -> RequestSummary:
+        ttfts = [p.ttft_s for p in parts if p.ttft_s is not None]
+        return RequestSummary(
+            prompt_tokens=sum(p.prompt_tokens for p in parts),
+            completion_tokens=sum(p.completion_tokens for p in parts),
+            cached_tokens=sum(p.cached_tokens for p in parts),
+            ttft_s=min(ttfts) if ttfts else None,
+            finish_reasons=[r for p in parts for r in p.finish_reasons],
+        )
+
+
+@dataclass(slots=True)
+class FinalItem:
+    """A response's last item with its request's summary (None where the engine request left none:
+    an engine without metering, or one that failed before its prefill)."""
+
+    item: str
+    summary: RequestSummary | None = None
+
+
+PoolItem = str | OpenAIError | FinalItem
+
+
+def sse_error(error: OpenAIError) -> str:
+    """An error as the SSE event that ends a stream (OpenAI's SDK raises it)."""
+    return f"data: {json.dumps(error.to_dict())}\n\n"
+
+
+def is_error_event(text: str) -> bool:
+    return text.startswith(ERROR_EVENT_PREFIX)
