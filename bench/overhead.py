@@ -39,6 +39,7 @@ from bench.common import OtherLoad, machine_info, print_table, process_tree_cpu_
 from bench.datasets import BenchRequest, add_dataset_arguments, requests_from_args
 from bench.metrics import percentile
 from cluster.config import ClusterConfig, PoolConfig
+from cluster.model_sources import engine_config, model_path
 
 GOAL_MS = 15.0
 
@@ -97,7 +98,7 @@ class InProcessEngine:
         from engine import AsyncLLM
 
         torch.set_num_threads(torch_threads)  # before the engine thread starts: it inherits the count
-        self.llm = AsyncLLM(pool.engine_config())
+        self.llm = AsyncLLM(engine_config(pool))
         self.serving = OpenAIServingChat(self.llm, pool.model_id, self.llm.max_model_len)
         self.model_id = pool.model_id
 
@@ -355,12 +356,13 @@ def run(args: argparse.Namespace) -> int:
     if pool is None:
         print(f"raylane bench overhead: no pool {args.pool!r} in the config", file=sys.stderr)
         return 1
-    if args.stream_interval is not None:
-        pool.engine.stream_interval = args.stream_interval
-    if args.engine_core is not None:
-        pool.engine.engine_core = args.engine_core
+    engine = {"stream_interval": args.stream_interval, "engine_core": args.engine_core}
+    if engine := {k: v for k, v in engine.items() if v is not None}:  # the config is read-only: copies
+        pool = pool.model_copy(update={"engine": pool.engine.model_copy(update=engine)})
+        pools = [pool if p.name == pool.name else p for p in config.pools]
+        config = config.model_copy(update={"pools": pools})
     if args.ingress is not None:
-        config.http.ingress = args.ingress
+        config = config.model_copy(update={"http": config.http.model_copy(update={"ingress": args.ingress})})
     requests, dataset = requests_from_args(args)
     try:
         with LocalServe(ingress=config.http.ingress) as local:
@@ -407,7 +409,7 @@ def run_overhead(
         "benchmark": "overhead",
         "machine": machine_info() | {"torch_threads": engine_threads},
         "model": pool.model_id,
-        "checkpoint": pool.model_path(),
+        "checkpoint": model_path(pool),
         "summary": summarize(pairs, ingress),
         "other_load": load.fraction,
         "pairs": [asdict(p) for p in pairs],

@@ -118,7 +118,7 @@ def make_batches(vocab_size: int, args: argparse.Namespace) -> tuple[list, list,
 def measure(model: str, layout: Layout, batches: tuple[list, list, int], args) -> dict:
     import torch
 
-    from engine.config import EngineConfig
+    from cluster.config import EngineConfig
     from engine.executor import RayDistributedExecutor, UniProcExecutor
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import OtherLoad, machine_info, process_tree_cpu_s, write_json
+from cluster.model_sources import engine_config, model_path
 
 PARTS = ("engine", "overhead", "routing", "prefix", "sweep")
 REPO = Path(__file__).resolve().parent.parent
@@ -133,7 +134,7 @@ def run_overhead_behind(args, ingress: str) -> dict[str, Any]:
     from bench.serving import DEMO_MODEL, serving_config
 
     config = serving_config(args.model or DEMO_MODEL, ingress=ingress)
-    tokenizer = config.pools[0].engine_config().tokenizer
+    tokenizer = engine_config(config.pools[0]).tokenizer
     try:
         with LocalServe(ingress=ingress) as local:
             local.add_app("serve-floor", floor_app())
@@ -208,7 +209,7 @@ def run_sweep(args, urls: dict[str, str], config, tokenizer: str) -> dict[str, A
     plot(
         points,
         args.out / "sweep.png",
-        f"chat ({Path(config.pools[0].model_path()).name}) through the gateway",
+        f"chat ({Path(model_path(config.pools[0])).name}) through the gateway",
     )
     write_json(args.out / "sweep.json", json_safe({"points": points}))
     rows = [{"concurrency": p["concurrency"], **p["summary"]} for p in points]
@@ -262,10 +263,10 @@ def run_serving_parts(args: argparse.Namespace, report: dict[str, Any], todo: li
         if "overhead" in todo:
             urls["serve-floor"] = local.url("serve-floor")
         pool = configs["main"].pools[0]
-        tokenizer = pool.engine_config().tokenizer
+        tokenizer = engine_config(pool).tokenizer
         report["serving_model"] = {
-            "name": Path(pool.model_path()).name,
-            "params": checkpoint_params(pool.model_path()),
+            "name": Path(model_path(pool)).name,
+            "params": checkpoint_params(model_path(pool)),
             "engine": pool.engine.model_dump(include={"max_num_seqs", "num_kv_blocks", "cpus_per_rank"}),
         }
         steps: dict[str, Callable[[], dict[str, Any]]] = {

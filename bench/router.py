@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
 def run_classifier(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from cluster.router_config import RouterConfig
+    from cluster.config import RouterConfig
     from router.classifier import SemanticClassifier
     from router.dataset import EVAL_PATH, TRAIN_PATH, read_labelled
 

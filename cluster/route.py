@@ -32,8 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from cluster.config import ClusterConfig, ConfigError
-    from cluster.router_config import RouterConfig
+    from cluster.config import ClusterConfig, ConfigError, RouterConfig
     from router.classifier import SemanticClassifier
 
     torch.set_num_threads(1)  # one short input at a time: a second thread only spin-waits on shared cores

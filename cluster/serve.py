@@ -10,8 +10,9 @@ Against a cluster that already runs the app (RAY_ADDRESS, or a local Ray already
 port) it redeploys the new config in place and returns. Serve restarts every deployment of the app
 (the config is the app's argument, so any change is a new code version for all of them). Each old
 replica stops taking requests first and finishes its in-flight requests and streams (up to
-DRAIN_TIMEOUT_S) while the new one starts; requests that arrive meanwhile wait for the new replicas,
-or get 503 `pool_unavailable` with Retry-After once the new gateway is up before the pools are.
+`deployments.app.GRACEFUL_SHUTDOWN_TIMEOUT_S`) while the new one starts; requests that arrive
+meanwhile wait for the new replicas, or get 503 `pool_unavailable` with Retry-After once the new
+gateway is up before the pools are.
 """
 
 import argparse
@@ -172,6 +173,7 @@ def redeploy_in_place(config) -> int | None:
 
 def missing_checkpoints(config) -> list[str]:
     """Pools whose checkpoint is not here (each replica would fail and retry)."""
+    from cluster.model_sources import model_path
     from cluster.packaged_models import PackagedModelMissing
     from models.gguf import is_gguf
 
@@ -179,7 +181,7 @@ def missing_checkpoints(config) -> list[str]:
     for i, p in enumerate(config.pools):
         where = f"pools[{i}] ({p.name}).model"
         try:
-            path = p.model_path()
+            path = model_path(p)
         except PackagedModelMissing as e:
             missing.append(f"{where}: {e}")
             continue
@@ -191,9 +193,10 @@ def missing_checkpoints(config) -> list[str]:
 def prepare_gguf_sidecars(config) -> None:
     """A GGUF pool's tokenizer and config are converted once per machine (models/gguf.py): do it here,
     saying so, rather than in each replica at once."""
+    from cluster.model_sources import model_path
     from models.gguf import gguf_sidecar, is_gguf
 
-    for path in dict.fromkeys(p.model_path() for p in config.pools if p.demo_model is None):
+    for path in dict.fromkeys(model_path(p) for p in config.pools if p.demo_model is None):
         if is_gguf(path):
             name = os.path.basename(path)
             print(f"raylane serve: reading {name} (its tokenizer is converted once)", flush=True)

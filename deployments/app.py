@@ -16,15 +16,18 @@ from ray import serve
 from ray.serve import Application
 
 from cluster.config import ClusterConfig, PoolConfig
+from cluster.model_sources import prepare_engine_config
 from deployments.gateway import Gateway
 from deployments.model_pool import ModelPool
 
 APP_NAME = "raylane"
 # At tensor-parallel size > 1 every rank is an actor; the replica itself only schedules and samples.
 REPLICA_DRIVER_CPUS = 0.1
-# A replica being replaced (redeploy, downscale) stops taking requests and finishes the ones in flight,
-# streams included, for up to this long before it is killed (Serve's default, 20 s, cuts long streams).
-DRAIN_TIMEOUT_S = 120.0
+# Serve's `graceful_shutdown_timeout_s`: a replica being replaced (redeploy, downscale) stops taking
+# requests and finishes the ones in flight, streams included, for up to this long before it is killed
+# (Serve's default, 20 s, cuts long streams). Not `gateway.drain_timeout_s`, which is how long
+# `raylane serve` lets requests finish when it stops the whole app.
+GRACEFUL_SHUTDOWN_TIMEOUT_S = 120.0
 # Serve's own access log line per call (to a file and to stderr, which Ray's log monitor then tails
 # and ships to the driver) repeats the gateway's request log (deployments/request_log.py). Under a
 # flood of 429s that is CPU taken from the requests being served.
@@ -53,7 +56,7 @@ def pool_deployment_options(pool: PoolConfig) -> dict[str, Any]:
         "max_ongoing_requests": replicas.max_ongoing_requests,
         "health_check_period_s": pool.health_check_period_s,
         "health_check_timeout_s": pool.health_check_timeout_s,
-        "graceful_shutdown_timeout_s": DRAIN_TIMEOUT_S,
+        "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_TIMEOUT_S,
         "logging_config": SERVE_LOGGING,
     }
     if replicas.autoscaling:
@@ -76,7 +79,7 @@ def gateway_deployment_options(config: ClusterConfig) -> dict[str, Any]:
         "num_replicas": config.gateway.num_replicas,
         "ray_actor_options": {"num_cpus": config.gateway.num_cpus},
         "max_ongoing_requests": config.gateway.max_ongoing_requests,
-        "graceful_shutdown_timeout_s": DRAIN_TIMEOUT_S,
+        "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_TIMEOUT_S,
         "logging_config": SERVE_LOGGING,
     }
 
@@ -86,7 +89,9 @@ def build_app(config: ClusterConfig | dict[str, Any] | str | os.PathLike | None 
     `{"config_path": ...}` as Serve's `args`, or None for the embedded default)."""
     config = _coerce(config)
     pools = {
-        pool.name: serve.deployment(ModelPool, **pool_deployment_options(pool)).bind(pool)
+        pool.name: serve.deployment(ModelPool, **pool_deployment_options(pool)).bind(
+            pool, prepare_engine_config
+        )
         for pool in config.pools
     }
     # The config objects themselves travel (pickled): a JSON dump would mask the API keys.

@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
-from cluster.config import PoolConfig
+from cluster.config import EngineConfig, PoolConfig
 from deployments.metrics.pool import MeteredLLM, PoolMetrics, engine_stats
 from deployments.metrics.reporter import MetricsReporter
 from deployments.openai_schemas import ChatCompletionRequest, CompletionRequest
@@ -30,13 +30,16 @@ HEALTH_PROBE_TIMEOUT_S = 10.0
 
 
 class ModelPool:
-    def __init__(self, pool: PoolConfig | dict):
+    def __init__(
+        self,
+        pool: PoolConfig | dict,
+        prepare_engine_config: Callable[[PoolConfig], EngineConfig] = PoolConfig.engine_config,
+    ):
+        """`prepare_engine_config` finds the pool's checkpoint on this replica's node (the app builder
+        passes `cluster.model_sources.prepare_engine_config`, which also writes a demo checkpoint a
+        fresh node lacks); the default takes the pool's `model` as a path."""
         self.pool = PoolConfig.model_validate(pool)
-        if self.pool.demo_model is not None:  # a fresh node: write the demo checkpoint it serves
-            from cluster.demo_models import create_demo_models, default_demo_dir
-
-            create_demo_models(default_demo_dir(), names=[self.pool.demo_model])
-        config = self.pool.engine_config()
+        config = prepare_engine_config(self.pool)
         logger.info("pool %s: loading %s", self.pool.name, config.model)
         self.llm = AsyncLLM(config)
         self.metrics = PoolMetrics(self.pool.name, self.pool.model_id)

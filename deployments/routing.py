@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from cluster.config import ClusterConfig
-from cluster.router_config import RouteConfig, RouterConfig
+from cluster.config import ClusterConfig, RouteConfig, RouterConfig
 from router import PoolSpec, Router
 from router.errors import UnknownModelError
 from router.resolve import DIRECT_ROUTE

@@ -1,7 +1,7 @@
 """One replica's inference engine (vLLM-shaped): `LLM` offline, `AsyncLLM` for serving."""
 
+from cluster.config import EngineConfig
 from engine.async_llm import AsyncLLM, EngineDeadError
-from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, Logprob, RequestOutput

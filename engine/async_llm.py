@@ -20,7 +20,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
+from cluster.config import EngineConfig
 from engine.engine_loop import EngineLoop, Event, queue_receiver
 from engine.executor import EngineDeadError
 from engine.llm_engine import LLMEngine, load_tokenizer

@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from engine.config import EngineConfig
+from cluster.config import EngineConfig
 from engine.engine_loop import EngineLoop, Event
 from engine.executor import EngineDeadError
 

@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from engine.config import EngineConfig
+from cluster.config import EngineConfig
 from engine.model_runner import ModelInput, ModelRunner
 from models.gguf import checkpoint_dir
 

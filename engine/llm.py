@@ -2,7 +2,7 @@
 
 from collections.abc import Sequence
 
-from engine.config import EngineConfig
+from cluster.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cluster.config import EngineConfig
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.executor import EngineDeadError, make_executor
 from engine.model_runner import ModelInput

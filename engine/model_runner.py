@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig
+from cluster.config import EngineConfig
 from models import load_model
 from models.attention import build_attention_metadata
 from models.gguf import checkpoint_dir

@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch
 
-from engine.config import EngineConfig
+from cluster.config import EngineConfig
 from engine.model_runner import ModelInput, ModelRunner
 
 MAX_TIMED_STEPS = 100_000  # per-step timings kept for benchmarks until stats(reset=True)

@@ -19,7 +19,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from cluster.router_config import AUTO_MODELS, ApiKeysConfig, RouterConfig, TierConfig
+from cluster.config import AUTO_MODELS, ApiKeysConfig, RouterConfig, TierConfig
 from router.admission import AdmissionController, PoolLoad
 from router.classifier import RouteDecision, SemanticClassifier
 from router.dispatch import DispatchPlan, Slot

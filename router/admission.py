@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cluster.router_config import TierConfig
+from cluster.config import TierConfig
 from router.errors import OverloadedError
 
 SERVICE_TIME_SMOOTHING = 0.2  # weight of the newest request in the pool's mean service time

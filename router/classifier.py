@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from cluster.router_config import BUILTIN_DATASET, FOLLOWUP_LABEL, RouterConfig
+from cluster.config import BUILTIN_DATASET, FOLLOWUP_LABEL, RouterConfig
 from router.dataset import FOLLOWUPS_PATH, TRAIN_PATH, read_labelled, read_lines
 from router.encoder import SentenceEncoder
 from router.softmax import SoftmaxRegression

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cluster.router_config import TierConfig
+from cluster.config import TierConfig
 from router.errors import RateLimitError
 
 

@@ -4,7 +4,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cluster.router_config import AUTO_MODELS, RouterConfig
+from cluster.config import AUTO_MODELS, RouterConfig
 from router.classifier import RouteDecision
 from router.errors import UnknownModelError
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.router_config import ApiKeysConfig, TierConfig
+from cluster.config import ApiKeysConfig, TierConfig
 from router.errors import AuthenticationError
 
 logger = logging.getLogger(__name__)

@@ -110,8 +110,7 @@ def make_router_config(demo_models: dict, port: int):
     """Three pools of the demo Llama: `coding` (falls back to chat), `reasoning` with a 64-token
     context (falls back to chat) and `chat` (one request at a time, no fallback); three keyed tiers,
     `free` sheddable with no queue; a circuit breaker that opens after 2 failures for 2 s."""
-    from cluster.config import ClusterConfig
-    from cluster.router_config import default_routes
+    from cluster.config import ClusterConfig, default_routes
 
     llama = str(demo_models["raylane-llama-tiny"])
     engine = {"max_num_seqs": 8, "num_kv_blocks": 64, "cpus_per_rank": 0.5, "seed": 0}

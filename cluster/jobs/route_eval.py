@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from cluster.router_config import RouterConfig
+    from cluster.config import RouterConfig
     from router.classifier import SemanticClassifier
     from router.dataset import EVAL_PATH, read_labelled
     from router.evaluate import evaluate

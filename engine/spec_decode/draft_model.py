@@ -12,8 +12,8 @@ for the rejection sampler.
 
 import torch
 
+from cluster.config import EngineConfig
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
 from engine.model_runner import ModelInput, ModelRunner
 from engine.request import Request
 from engine.sampler import _draw, _filter

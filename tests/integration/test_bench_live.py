@@ -17,6 +17,7 @@ from PIL import Image
 
 from bench.datasets import TokenCounter, random_requests
 from cluster.cli import main
+from cluster.model_sources import model_path
 
 MODEL = "raylane-llama-tiny"
 SMALL = ["--random-input-len", "24", "--random-output-len", "6", "--no-progress"]
@@ -175,7 +176,7 @@ def test_bench_overhead_runs_the_same_work_on_both_sides(api_server):
     from tests.live_servers import wait_healthy
 
     pool = next(p for p in api_server.config.pools if p.name == "chat")
-    requests = random_requests(3, 0, TokenCounter(pool.model_path()), 24, 8, 0.5)
+    requests = random_requests(3, 0, TokenCounter(model_path(pool)), 24, 8, 0.5)
     serve.run(floor_app(), name="bench-serve-floor", route_prefix="/serve-floor")
     try:
         floor_root = api_server.base_url.removesuffix("/v1") + "/serve-floor"

@@ -235,8 +235,8 @@ def test_raylane_serve_redeploys_in_place_while_streams_run(deployed, tmp_path):
 
     def stream(model: str) -> None:
         # Long enough to be running when the old replicas stop (Serve stops them first, then starts
-        # the new ones), short enough to end inside their drain window (DRAIN_TIMEOUT_S, 120 s from
-        # the stop) on a slower machine: 1500 tokens outlasted it in CI; 800 take about 60 s here.
+        # the new ones), short enough to end inside their graceful shutdown (GRACEFUL_SHUTDOWN_TIMEOUT_S,
+        # 120 s from the stop) on a slower machine: 1500 tokens outlasted it in CI; 800 take about 60 s here.
         try:
             chunks = chat_request(deployed.url, model, stream=True, max_tokens=800, ignore_eos=True)
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

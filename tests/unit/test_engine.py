@@ -5,8 +5,8 @@ import asyncio
 import pytest
 import torch
 
+from cluster.config import EngineConfig
 from engine import LLM, AsyncLLM, SamplingParams
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 
 

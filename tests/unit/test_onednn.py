@@ -5,8 +5,8 @@ is, is `raylane bench engine`'s business (bench/README.md), not a test's."""
 import pytest
 import torch
 
+from cluster.config import EngineConfig
 from engine import LLM, SamplingParams
-from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from models import load_model
 from parallel import onednn

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from cluster.config import EngineConfig
 from engine import LLM, SamplingParams
-from engine.config import EngineConfig
 from engine.model_runner import ModelInput, ModelRunner
 from models.loader import process_weights_after_loading
 from parallel.int4 import Int4Weight, dequantize_int4, int4_linear, quantize_int4

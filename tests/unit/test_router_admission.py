@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from cluster.router_config import TierConfig
+from cluster.config import TierConfig
 from router.admission import AdmissionController, PoolLoad
 from router.errors import OverloadedError
 

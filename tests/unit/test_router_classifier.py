@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from cluster.router_config import RouterConfig
+from cluster.config import RouterConfig
 from router.classifier import SemanticClassifier
 from router.dataset import EVAL_PATH, FOLLOWUPS_PATH, TRAIN_PATH, read_labelled, read_lines
 from router.evaluate import evaluate, humaneval_examples

@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from cluster.router_config import ApiKeysConfig, RouteConfig, RouterConfig, TierConfig, default_tiers
+from cluster.config import ApiKeysConfig, RouteConfig, RouterConfig, TierConfig, default_tiers
 
 
 def error_text(excinfo) -> str:

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from cluster.router_config import ApiKeysConfig, CircuitBreakerConfig, RouterConfig, TierConfig, default_tiers
+from cluster.config import ApiKeysConfig, CircuitBreakerConfig, RouterConfig, TierConfig, default_tiers
 from router import PoolSpec, Router
 from router.classifier import RouteDecision
 from router.errors import ContextLengthError, NoPoolAvailableError, OverloadedError, RateLimitError

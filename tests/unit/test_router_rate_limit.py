@@ -2,7 +2,7 @@
 
 import pytest
 
-from cluster.router_config import TierConfig
+from cluster.config import TierConfig
 from router.errors import RateLimitError
 from router.rate_limit import RateLimiter
 

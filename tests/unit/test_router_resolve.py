@@ -2,7 +2,7 @@
 
 import pytest
 
-from cluster.router_config import RouterConfig
+from cluster.config import RouterConfig
 from router.classifier import RouteDecision
 from router.errors import UnknownModelError
 from router.resolve import DIRECT_ROUTE, ModelResolver, PoolSpec

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from cluster.router_config import ApiKeysConfig, default_tiers
+from cluster.config import ApiKeysConfig, default_tiers
 from router.errors import AuthenticationError
 from router.tiers import ApiKeyAuthenticator
 

@@ -11,18 +11,16 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import AfterValidator, Field, SecretStr, field_validator, model_validator
+
+from cluster.config.base import StrictModel
 
 AUTO_MODELS = ("auto", "raylane-auto")  # model names that ask the semantic classifier to choose
 BUILTIN_DATASET = "builtin"  # RouterConfig.dataset value naming router/dataset/train.tsv
 FOLLOWUP_LABEL = "followup"  # the classifier's internal class of context-dependent turns; not a route name
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class RouteConfig(_Strict):
+class RouteConfig(StrictModel):
     """One kind of traffic and the pools that serve it, in order of preference."""
 
     name: str = Field(min_length=1, description="route name, reported in the x-raylane-route header")
@@ -61,7 +59,7 @@ class RouteConfig(_Strict):
         return self
 
 
-class ConversationWeights(_Strict):
+class ConversationWeights(StrictModel):
     """How a chat's system prompt and earlier user turns count next to its latest user turn.
 
     The classifier also learns what a turn that needs its conversation looks like ("any hints?",
@@ -77,7 +75,7 @@ class ConversationWeights(_Strict):
     max_earlier_turns: int = Field(3, ge=0, description="earlier user turns read at most (newest first)")
 
 
-class CircuitBreakerConfig(_Strict):
+class CircuitBreakerConfig(StrictModel):
     failure_threshold: int = Field(5, ge=1, description="consecutive failures that open a pool's circuit")
     cooldown_s: float = Field(
         30.0, gt=0, description="seconds an open circuit rejects traffic before one probe request"
@@ -106,7 +104,7 @@ def _unique_names(items: list, field: str) -> None:
         raise ValueError(f"{field}: names must be unique, {duplicates} repeat")
 
 
-class RouterConfig(_Strict):
+class RouterConfig(StrictModel):
     """The semantic classifier, routes, fallback and admission settings."""
 
     routes: list[RouteConfig] = Field(default_factory=default_routes, min_length=1)
@@ -162,7 +160,7 @@ class RouterConfig(_Strict):
                     )
 
 
-class TierConfig(_Strict):
+class TierConfig(StrictModel):
     """A class of service: how soon its requests are served and how much it may use."""
 
     name: str = Field(min_length=1)
@@ -222,7 +220,7 @@ def _check_tiers(tiers: list[TierConfig]) -> list[TierConfig]:
 Tiers = Annotated[list[TierConfig], AfterValidator(_check_tiers)]
 
 
-class ApiKeysConfig(_Strict):
+class ApiKeysConfig(StrictModel):
     """Where API keys come from; each key maps to a tier. No key anywhere = open development mode.
 
     A key file (or the env var) holds one `key tier` or `key:tier` per line, `#` starts a comment:

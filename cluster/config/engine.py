@@ -1,15 +1,16 @@
-"""Engine settings: one pydantic model, so a pool's YAML config can embed it as is."""
+"""Engine settings (`EngineConfig`, vLLM's knobs): a pool's YAML config embeds it as is, and `LLM` /
+`AsyncLLM` take the same fields as keyword arguments."""
 
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from cluster.config.base import StrictModel
 
 
-class SpeculativeConfig(BaseModel):
+class SpeculativeConfig(StrictModel):
     """Speculative decoding, vLLM's keys: a proposer drafts tokens that one target forward verifies."""
-
-    model_config = ConfigDict(extra="forbid")
 
     method: Literal["ngram", "draft_model"] = Field(
         description="ngram: prompt lookup (drafts copy what followed the latest earlier occurrence of the "
@@ -29,8 +30,8 @@ class SpeculativeConfig(BaseModel):
         return self
 
 
-class EngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class EngineConfig(StrictModel):
+    """One engine (one pool replica): model, batch and KV cache, dtype, parallel layout."""
 
     model: str = Field(
         description="Local Hugging Face checkpoint directory (config.json + safetensors), or a .gguf file "
@@ -57,7 +58,7 @@ class EngineConfig(BaseModel):
     cpu_weight_prepack: bool = Field(
         True,
         description="CPU: keep the fp weights of the linears, LM head and MoE experts in oneDNN's blocked "
-        "layout and multiply with oneDNN (2.3-3.3x faster than torch's default CPU matmul where measured); "
+        "layout and multiply with oneDNN (faster than torch's default CPU matmul: `raylane bench linears`); "
         "false: torch's F.linear. No effect on GPU, nor on the layers int8 quantization takes.",
     )
     speculative_config: SpeculativeConfig | None = Field(

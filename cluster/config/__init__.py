@@ -1,0 +1,77 @@
+"""The config tree: one pydantic model per section, loaded from YAML (the root is `ClusterConfig`).
+
+A leaf of the import picture: nothing here imports the rest of the project, so every layer (router,
+engine, deployments, the CLI) can import it without pulling in another. The modules:
+
+- `cluster.py`: `ClusterConfig` (HTTP listener, gateway, embeddings, pools, router sections), loading;
+- `pools.py`: `PoolConfig`, `ReplicasConfig`;
+- `engine.py`: `EngineConfig`, `SpeculativeConfig` (one engine);
+- `router.py`: routes, tiers and API keys (`router/` reads these and nothing else);
+- `model_names.py`: the demo and packaged model names a pool's `model` may take;
+- `base.py`, `errors.py`: the strict base model, `ConfigError`.
+
+Where a named model's checkpoint is on a node is not config: `cluster/model_sources.py` finds it.
+"""
+
+from cluster.config.base import StrictModel
+from cluster.config.cluster import (
+    DEFAULT_CONFIG_PATH,
+    RESERVED_MODEL_IDS,
+    ClusterConfig,
+    EmbeddingsConfig,
+    GatewayConfig,
+    HttpConfig,
+    default_config,
+)
+from cluster.config.engine import EngineConfig, SpeculativeConfig
+from cluster.config.errors import ConfigError, field_path, format_errors
+from cluster.config.model_names import DEMO_MODELS, DEMO_PREFIX, PACKAGED_MODELS, PackagedModel
+from cluster.config.pools import PoolConfig, ReplicasConfig
+from cluster.config.router import (
+    AUTO_MODELS,
+    BUILTIN_DATASET,
+    FOLLOWUP_LABEL,
+    ApiKeysConfig,
+    CircuitBreakerConfig,
+    ConversationWeights,
+    RouteConfig,
+    RouterConfig,
+    TierConfig,
+    Tiers,
+    default_routes,
+    default_tiers,
+)
+
+__all__ = [
+    "AUTO_MODELS",
+    "BUILTIN_DATASET",
+    "DEFAULT_CONFIG_PATH",
+    "DEMO_MODELS",
+    "DEMO_PREFIX",
+    "FOLLOWUP_LABEL",
+    "PACKAGED_MODELS",
+    "RESERVED_MODEL_IDS",
+    "ApiKeysConfig",
+    "CircuitBreakerConfig",
+    "ClusterConfig",
+    "ConfigError",
+    "ConversationWeights",
+    "EmbeddingsConfig",
+    "EngineConfig",
+    "GatewayConfig",
+    "HttpConfig",
+    "PackagedModel",
+    "PoolConfig",
+    "ReplicasConfig",
+    "RouteConfig",
+    "RouterConfig",
+    "SpeculativeConfig",
+    "StrictModel",
+    "TierConfig",
+    "Tiers",
+    "default_config",
+    "default_routes",
+    "default_tiers",
+    "field_path",
+    "format_errors",
+]

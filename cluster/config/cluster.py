@@ -1,0 +1,154 @@
+"""`ClusterConfig`, the root of the config tree, loaded from YAML.
+
+It lists the model pools (cluster/config/pools.py: each a Ray Serve deployment whose replicas own one
+engine), the HTTP listener, the gateway, the embeddings model, and the router's sections (`router`,
+`tiers`, `api_keys`: cluster/config/router.py). Every field is documented; a bad file fails with one
+`ConfigError` whose lines each name a field, such as `pools[1] (reasoning).replicas.max_replicas`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from cluster.config.base import StrictModel
+from cluster.config.errors import ConfigError, format_errors
+from cluster.config.pools import PoolConfig
+from cluster.config.router import ApiKeysConfig, RouterConfig, Tiers, default_tiers
+
+DEFAULT_CONFIG_PATH = Path(__file__).parents[1] / "default_config.yaml"
+# Pool names and served ids a pool may not take: `auto` asks the router to choose a pool.
+RESERVED_MODEL_IDS = frozenset({"auto"})
+
+
+class HttpConfig(StrictModel):
+    """Where the HTTP listener is, and what it is."""
+
+    host: str = Field("127.0.0.1", description="Listen address; 0.0.0.0 to accept remote clients.")
+    port: int = Field(8000, ge=1, le=65535, description="Listen port.")
+    ingress: Literal["proxy", "haproxy"] = Field(
+        "proxy",
+        description="proxy: Serve's HTTP proxy actor passes each request and streamed chunk on to the "
+        "gateway. haproxy: Serve's HAProxy direct ingress (Linux; the binary comes with ray[serve]) forwards "
+        "connections to the gateway replicas, which serve HTTP themselves: one Python process less per "
+        "request and chunk, but a client that leaves while waiting for a whole (non-streamed) response "
+        "no longer stops its generation (HAProxy keeps the request going). `raylane serve` only, not "
+        "the KubeRay manifests yet.",
+    )
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="End requests (streams included) running longer than this; none by default."
+    )
+
+
+class GatewayConfig(StrictModel):
+    """The OpenAI-compatible ingress deployment (FastAPI)."""
+
+    num_replicas: int = Field(1, ge=1, description="Gateway replicas (each is cheap: it only forwards).")
+    num_cpus: float = Field(0.1, ge=0, description="CPUs each gateway replica reserves.")
+    max_ongoing_requests: int = Field(1000, ge=1, description="Requests one gateway replica holds at once.")
+    max_request_body_bytes: int = Field(
+        8 * 2**20,
+        ge=1024,
+        description="Largest request body the gateway reads (413 above it), checked before it is parsed, "
+        "chunked uploads included.",
+    )
+    max_batch_prompts: int = Field(
+        256, ge=1, description="Most prompts in one /v1/completions request (each is an engine request)."
+    )
+    pool_health_period_s: float = Field(
+        5.0,
+        gt=0,
+        description="Seconds between the gateway's checks of each pool; a pool that does not "
+        "answer is skipped (its route falls back) until it answers again.",
+    )
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="On shutdown (`raylane serve` stopped), how long requests in flight may finish while "
+        "new ones get 503 with Retry-After.",
+    )
+
+
+class EmbeddingsConfig(StrictModel):
+    """`POST /v1/embeddings`: sentence embeddings computed in the gateway."""
+
+    enabled: bool = Field(True, description="Serve /v1/embeddings.")
+    model_id: str = Field(
+        "all-MiniLM-L6-v2", min_length=1, description="The id clients send as `model` for embeddings."
+    )
+    max_inputs: int = Field(2048, ge=1, description="Most texts in one request.")
+
+
+class ClusterConfig(StrictModel):
+    """The whole cluster: what `raylane serve`, the Serve app and the KubeRay manifests are built from."""
+
+    pools: list[PoolConfig] = Field(min_length=1, description="Model pools, each one Serve deployment.")
+    http: HttpConfig = Field(default_factory=HttpConfig, description="HTTP listener.")
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig, description="The ingress deployment.")
+    embeddings: EmbeddingsConfig = Field(default_factory=EmbeddingsConfig, description="/v1/embeddings.")
+    router: RouterConfig = Field(
+        default_factory=RouterConfig, description="Semantic routes, fallback chains and admission (router/)."
+    )
+    tiers: Tiers = Field(
+        default_factory=default_tiers, description="Priority tiers: rate limits and shedding."
+    )
+    api_keys: ApiKeysConfig = Field(
+        default_factory=ApiKeysConfig, description="API keys and their tiers; none = open development mode."
+    )
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> ClusterConfig:
+        owner: dict[str, str] = {}  # model id or pool name -> pool that answers to it
+        for i, pool in enumerate(self.pools):
+            for model_id in dict.fromkeys([pool.name, pool.model_id]):
+                where = f"pools[{i}].{'name' if model_id == pool.name else 'served_model_name'}"
+                if model_id in RESERVED_MODEL_IDS or model_id == self.embeddings.model_id:
+                    raise ValueError(f"{where}: {model_id!r} is reserved")
+                if model_id in owner:
+                    raise ValueError(f"{where}: {model_id!r} is already used by pool {owner[model_id]!r}")
+                owner[model_id] = pool.name
+        self.api_keys.check_tiers([t.name for t in self.tiers])
+        if (
+            "router" in self.model_fields_set
+        ):  # the default routes name the default pools; a written one must fit
+            pools = [p.name for p in self.pools]
+            for i, route in enumerate(self.router.routes):
+                for field, name in [("pool", route.pool), *(("fallbacks", f) for f in route.fallbacks)]:
+                    if name not in pools:
+                        raise ValueError(
+                            f"router.routes[{i}].{field}: {name!r} is not a pool (pools: {pools})"
+                        )
+        return self
+
+    def pool(self, name: str) -> PoolConfig:
+        return next(p for p in self.pools if p.name == name)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "config") -> ClusterConfig:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ConfigError(format_errors(e, data, source)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> ClusterConfig:
+        path = Path(path).expanduser()
+        try:
+            data = yaml.safe_load(path.read_text())
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        return cls.from_dict(data if data is not None else {}, source=str(path))
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json", exclude_defaults=True), sort_keys=False)
+
+
+def default_config() -> ClusterConfig:
+    """The embedded default: the demo models as the `coding`, `reasoning` and `chat` pools."""
+    return ClusterConfig.from_yaml(DEFAULT_CONFIG_PATH)

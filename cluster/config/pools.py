@@ -1,0 +1,160 @@
+"""A model pool's config: its checkpoint, engine and replicas (one Ray Serve deployment)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from cluster.config.base import StrictModel
+from cluster.config.engine import EngineConfig
+from cluster.config.model_names import DEMO_MODELS, DEMO_PREFIX, PACKAGED_MODELS
+
+
+class ReplicasConfig(StrictModel):
+    """How many replicas a pool runs. min == max: a fixed count; otherwise Serve autoscales
+    between them on ongoing requests per replica."""
+
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas (0 lets an idle pool scale to zero).")
+    max_replicas: int = Field(1, ge=1, description="Most replicas.")
+    initial_replicas: int | None = Field(
+        None, ge=0, description="Replicas at deploy time when autoscaling; default min_replicas."
+    )
+    target_ongoing_requests: float = Field(
+        16, gt=0, description="Autoscaling target: requests in flight per replica."
+    )
+    max_ongoing_requests: int = Field(
+        64, ge=1, description="Most requests (streams included) one replica serves at once."
+    )
+    upscale_delay_s: float = Field(30.0, ge=0, description="Load must stay high this long to add replicas.")
+    downscale_delay_s: float = Field(600.0, ge=0, description="Load must stay low this long to remove one.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ReplicasConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        if self.initial_replicas is not None and not (
+            self.min_replicas <= self.initial_replicas <= self.max_replicas
+        ):
+            raise ValueError("initial_replicas must lie between min_replicas and max_replicas")
+        return self
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas != self.max_replicas
+
+
+class PoolConfig(StrictModel):
+    """One model pool: a checkpoint served by replicas of one Serve deployment."""
+
+    name: str = Field(
+        pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$",
+        description="Pool name (coding, reasoning, chat, ...): routes name it; clients may send it as model.",
+    )
+    model: str = Field(
+        description="Checkpoint directory (config.json + safetensors + tokenizer), a .gguf file, the name "
+        f"of a model installed as a package ({', '.join(PACKAGED_MODELS)}), or `demo:<name>` for a "
+        f"random-weight demo checkpoint ({', '.join(DEMO_MODELS)}), created on first start.",
+    )
+    served_model_name: str | None = Field(
+        None,
+        min_length=1,
+        description="The id clients send as `model` and /v1/models lists; default: `name`.",
+    )
+    engine: EngineConfig = Field(
+        description="Engine knobs of each replica (batch, KV cache, dtype, tensor/expert parallel sizes, "
+        "cpus_per_rank, placement_strategy). `model` is filled in from the pool's `model`.",
+    )
+    replicas: ReplicasConfig = Field(
+        default_factory=ReplicasConfig, description="Replica count and autoscaling."
+    )
+    use_gpu: bool = Field(
+        False, description="Reserve one GPU per rank (set on GPU nodes); implied by engine.device: cuda."
+    )
+    max_n: int = Field(16, ge=1, le=128, description="Largest `n` (choices per request) the pool accepts.")
+    max_in_flight: int | None = Field(
+        None,
+        ge=1,
+        description="Requests each gateway replica sends this pool at once; more wait in (priority, "
+        "arrival) order. Default: router.default_max_in_flight.",
+    )
+    max_waiting: int | None = Field(
+        None,
+        ge=0,
+        description="Requests (all tiers) that may wait for this pool in each gateway replica; "
+        "default: router.default_max_waiting.",
+    )
+    health_check_period_s: float = Field(10.0, gt=0, description="Seconds between replica health checks.")
+    health_check_timeout_s: float = Field(30.0, gt=0, description="A health check slower than this fails.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_model(cls, data: Any) -> Any:
+        """The engine's `model` is the pool's; writing it twice (differently) is an error."""
+        if not isinstance(data, dict) or not isinstance(data.get("model"), str):
+            return data
+        engine = data.get("engine") or {}
+        if isinstance(engine, EngineConfig):
+            return data
+        if not isinstance(engine, dict):
+            return data  # let field validation name the wrong type
+        if engine.get("model", data["model"]) not in (data["model"], _absolute(data["model"])):
+            raise ValueError("engine.model: set the pool's `model` instead")
+        return {**data, "engine": {**engine, "model": _absolute(data["model"])}}
+
+    @field_validator("model")
+    @classmethod
+    def _known_demo_or_absolute(cls, model: str) -> str:
+        """Demo names must exist; a relative path is taken from where the config is loaded, since
+        replicas run in other working directories."""
+        if not model.startswith(DEMO_PREFIX):
+            return _absolute(model)
+        if model[len(DEMO_PREFIX) :] not in DEMO_MODELS:
+            raise ValueError(f"unknown demo model {model!r}; choose from {', '.join(DEMO_MODELS)}")
+        return model
+
+    @property
+    def model_id(self) -> str:
+        return self.served_model_name or self.name
+
+    @property
+    def demo_model(self) -> str | None:
+        return self.model[len(DEMO_PREFIX) :] if self.model.startswith(DEMO_PREFIX) else None
+
+    @property
+    def packaged_model(self) -> str | None:
+        return self.model if self.model in PACKAGED_MODELS else None
+
+    def engine_config(self, model_path: str | None = None) -> EngineConfig:
+        """The engine's config for the checkpoint at `model_path` on this node; by default the pool's
+        `model`, when that is a path (a demo or packaged model is found by `cluster.model_sources`)."""
+        if model_path is None:
+            if self.demo_model is not None or self.packaged_model is not None:
+                raise ValueError(
+                    f"pool {self.name!r}: model {self.model!r} is not a path; "
+                    "cluster.model_sources finds its checkpoint on this node"
+                )
+            model_path = os.path.expanduser(self.model)
+        tokenizer = os.path.expanduser(self.engine.tokenizer) if self.engine.tokenizer else model_path
+        return self.engine.model_copy(update={"model": model_path, "tokenizer": tokenizer})
+
+    @property
+    def world_size(self) -> int:
+        """Ranks per replica: tensor_parallel_size x expert_parallel_size (engine fields)."""
+        return self.engine.world_size
+
+    @property
+    def in_process(self) -> bool:
+        """Whether the engine runs inside the replica process (one rank, no Ray executor)."""
+        return self.world_size == 1 and self.engine.distributed_executor_backend != "ray"
+
+    @property
+    def gpus_per_rank(self) -> int:
+        return 1 if self.use_gpu or self.engine.device == "cuda" else 0
+
+
+def _absolute(path: str) -> str:
+    if path.startswith(DEMO_PREFIX) or path in PACKAGED_MODELS:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
