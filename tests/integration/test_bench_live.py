@@ -236,6 +236,9 @@ def test_bench_report_writes_tables_and_rewrites_only_the_marked_sections(
     assert "#### 5. Throughput and latency across concurrency" in full
     data = json.loads((out_dir / "report.json").read_text())
     assert set(data["parts"]) == {"overhead", "routing", "prefix", "sweep"}
+    # The JSON behind the rewritten sections is checked in beside them, and they name it.
+    assert json.loads((docs / "bench" / "results" / "report.json").read_text()) == data
+    assert "JSON: `bench/results/report.json`." in summary and "JSON: `bench/results/report.json`." in full
     points = data["parts"]["sweep"]["points"]
     assert [p["concurrency"] for p in points] == [1, 4, 16]
     # No request was refused: the bench's own tier has no rate limit (the default one would 429).
