@@ -16,6 +16,7 @@ gateway is up before the pools are.
 """
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -26,6 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="cluster config YAML (default: the embedded demo config)")
     parser.add_argument("--host", help="listen address (default: the config's http.host)")
     parser.add_argument("--port", type=int, help="listen port (default: the config's http.port)")
+    parser.add_argument(
+        "--access-log",
+        action="store_true",
+        help="show Serve's access line for every call, health polls included (logs.serve_access_log)",
+    )
 
 
 def load_config(args: argparse.Namespace):
@@ -34,6 +40,8 @@ def load_config(args: argparse.Namespace):
     from cluster.config import ClusterConfig, ConfigError, HttpConfig, default_config, format_errors
 
     config = ClusterConfig.from_yaml(args.config) if args.config else default_config()
+    if getattr(args, "access_log", False):
+        config = config.model_copy(update={"logs": config.logs.model_copy(update={"serve_access_log": True})})
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     if not overrides:
         return config
@@ -90,8 +98,14 @@ def run(args: argparse.Namespace) -> int:
     from deployments.app import APP_NAME, build_app
 
     status = 0
+    # This process's Serve client logs each step at INFO too ("Started Serve", "Application ... is ready"
+    # before raylane's own ready line): the same level as the controller's.
+    logging.getLogger("ray.serve").setLevel(config.logs.serve_log_level)
+    print("raylane: starting Ray", flush=True)
     with serve_env(config.http.ingress):  # a cluster joined runs what it was started with
-        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", namespace="raylane")
+        ray.init(
+            address=os.environ.get("RAY_ADDRESS") or "local", namespace="raylane", logging_level="WARNING"
+        )
     for signum in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a shell may start us with it ignored
         _stop_on(signum)
     try:
@@ -99,8 +113,10 @@ def run(args: argparse.Namespace) -> int:
         http_options = {"host": http.host, "port": http.port}
         if http.request_timeout_s is not None:
             http_options["request_timeout_s"] = http.request_timeout_s
-        serve.start(http_options=http_options)
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        serve.start(http_options=http_options, logging_config=serve_logging_config(config))
+        pools = ", ".join(p.name for p in config.pools)
+        print(f"raylane: starting the gateway and the pools ({pools}); the models load", flush=True)
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")  # returns once every replica is up
         host = "127.0.0.1" if http.host in ("0.0.0.0", "::") else http.host
         models = ", ".join(p.model_id for p in config.pools)
         front = "" if joined else f", behind Serve's {'HAProxy' if http.ingress == 'haproxy' else 'proxy'}"
@@ -123,6 +139,14 @@ def run(args: argparse.Namespace) -> int:
         ray.shutdown()
         print("raylane: stopped", flush=True)
     return status
+
+
+def serve_logging_config(config) -> dict:
+    """Serve's controller and proxies log each deployment step at INFO; a newcomer's screen wants the
+    start-up progress, the ready line and errors (`logs.serve_log_level`, WARNING by default). Serve's
+    per-call access lines are off unless `logs.serve_access_log` (the gateway and pools set theirs in
+    deployments/app.py)."""
+    return {"log_level": config.logs.serve_log_level, "enable_access_log": config.logs.serve_access_log}
 
 
 def redeploy_in_place(config) -> int | None:

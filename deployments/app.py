@@ -28,23 +28,27 @@ REPLICA_DRIVER_CPUS = 0.1
 # (Serve's default, 20 s, cuts long streams). Not `gateway.drain_timeout_s`, which is how long
 # `raylane serve` lets requests finish when it stops the whole app.
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 120.0
-# Serve's own access log line per call (to a file and to stderr, which Ray's log monitor then tails
-# and ships to the driver) repeats the gateway's request log (deployments/request_log.py). Under a
-# flood of 429s that is CPU taken from the requests being served.
-SERVE_LOGGING = {"enable_access_log": False}
+
+
+def serve_logging(access_log: bool) -> dict[str, Any]:
+    """Serve's own access log line per call (to a file and to stderr, which Ray's log monitor then tails
+    and ships to the driver) repeats the gateway's request log (deployments/request_log.py), adds a line
+    per internal health poll, and under a flood of 429s takes CPU from the requests being served: off
+    unless `logs.serve_access_log`."""
+    return {"enable_access_log": access_log}
 
 
 def pool_deployment_name(pool_name: str) -> str:
     return f"ModelPool:{pool_name}"
 
 
-def pool_deployment_options(pool: PoolConfig) -> dict[str, Any]:
+def pool_deployment_options(pool: PoolConfig, access_log: bool = False) -> dict[str, Any]:
     """Serve options of a pool: one placement-group bundle per rank, replicas and autoscaling."""
     rank = {"CPU": pool.engine.cpus_per_rank} | ({"GPU": 1} if pool.gpus_per_rank else {})
     if pool.in_process:  # the engine runs inside the replica, on the one bundle
         bundles = [rank]
         actor = {"num_cpus": pool.engine.cpus_per_rank, "num_gpus": pool.gpus_per_rank}
-    else:  # rank i's actor runs in bundle i (engine/placement.py); the replica shares bundle 0
+    else:  # rank i's actor runs in bundle i (engine/executor/placement.py); the replica shares bundle 0
         bundles = [{**rank, "CPU": rank["CPU"] + REPLICA_DRIVER_CPUS}] + [rank] * (pool.world_size - 1)
         actor = {"num_cpus": REPLICA_DRIVER_CPUS}
     replicas = pool.replicas
@@ -57,7 +61,7 @@ def pool_deployment_options(pool: PoolConfig) -> dict[str, Any]:
         "health_check_period_s": pool.health_check_period_s,
         "health_check_timeout_s": pool.health_check_timeout_s,
         "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_TIMEOUT_S,
-        "logging_config": SERVE_LOGGING,
+        "logging_config": serve_logging(access_log),
     }
     if replicas.autoscaling:
         options["autoscaling_config"] = {
@@ -80,7 +84,7 @@ def gateway_deployment_options(config: ClusterConfig) -> dict[str, Any]:
         "ray_actor_options": {"num_cpus": config.gateway.num_cpus},
         "max_ongoing_requests": config.gateway.max_ongoing_requests,
         "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_TIMEOUT_S,
-        "logging_config": SERVE_LOGGING,
+        "logging_config": serve_logging(config.logs.serve_access_log),
     }
 
 
@@ -88,8 +92,9 @@ def build_app(config: ClusterConfig | dict[str, Any] | str | os.PathLike | None 
     """The Serve application of a cluster config (a `ClusterConfig`, its dict, a YAML path,
     `{"config_path": ...}` as Serve's `args`, or None for the embedded default)."""
     config = _coerce(config)
+    access_log = config.logs.serve_access_log
     pools = {
-        pool.name: serve.deployment(ModelPool, **pool_deployment_options(pool)).bind(
+        pool.name: serve.deployment(ModelPool, **pool_deployment_options(pool, access_log)).bind(
             pool, prepare_engine_config
         )
         for pool in config.pools

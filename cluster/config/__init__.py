@@ -21,6 +21,7 @@ from cluster.config.cluster import (
     EmbeddingsConfig,
     GatewayConfig,
     HttpConfig,
+    LogsConfig,
     default_config,
 )
 from cluster.config.engine import EngineConfig, SpeculativeConfig
@@ -60,6 +61,7 @@ __all__ = [
     "EngineConfig",
     "GatewayConfig",
     "HttpConfig",
+    "LogsConfig",
     "PackagedModel",
     "PoolConfig",
     "ReplicasConfig",

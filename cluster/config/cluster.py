@@ -73,6 +73,23 @@ class GatewayConfig(StrictModel):
     )
 
 
+class LogsConfig(StrictModel):
+    """What Ray Serve itself logs, besides raylane's request log (`RAYLANE_REQUEST_LOG`)."""
+
+    serve_access_log: bool = Field(
+        False,
+        description="Serve's access line for every call to the gateway and the pools, internal ones "
+        "included (the gateway's pool health checks and `stats` calls, every few seconds per pool); off "
+        "because the request log already has one line per request. `raylane serve --access-log` turns "
+        "it on.",
+    )
+    serve_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "WARNING",
+        description="Level of the Serve controller's and proxies' own logs in `raylane serve`'s output; "
+        "INFO shows each deployment step. Errors (a replica that fails to start) show at any level.",
+    )
+
+
 class EmbeddingsConfig(StrictModel):
     """`POST /v1/embeddings`: sentence embeddings computed in the gateway."""
 
@@ -99,6 +116,7 @@ class ClusterConfig(StrictModel):
     api_keys: ApiKeysConfig = Field(
         default_factory=ApiKeysConfig, description="API keys and their tiers; none = open development mode."
     )
+    logs: LogsConfig = Field(default_factory=LogsConfig, description="What Ray Serve itself logs.")
 
     @model_validator(mode="after")
     def _unique_ids(self) -> ClusterConfig:

@@ -245,6 +245,22 @@ def test_serve_command_overrides_host_and_port(tmp_path):
     assert (config.http.host, config.http.port, [p.name for p in config.pools]) == ("0.0.0.0", 9000, ["chat"])
 
 
+def test_serve_access_lines_are_off_unless_asked_for():
+    """`raylane serve` shows no Serve access line per call (health polls and stats every few seconds
+    per pool would bury the ready line and errors) and only warnings of Serve's controller and proxies;
+    `--access-log` (or `logs.serve_access_log`) turns the lines on for the proxies, gateway and pools."""
+    from cluster.cli import build_parser
+    from cluster.serve import load_config, serve_logging_config
+    from deployments.app import gateway_deployment_options, pool_deployment_options
+
+    for flags, access_log in (([], False), (["--access-log"], True)):
+        config = load_config(build_parser().parse_args(["serve", *flags]))
+        assert serve_logging_config(config) == {"log_level": "WARNING", "enable_access_log": access_log}
+        pool_options = pool_deployment_options(config.pools[0], config.logs.serve_access_log)
+        for options in (pool_options, gateway_deployment_options(config)):
+            assert options["logging_config"]["enable_access_log"] is access_log
+
+
 def test_haproxy_folders_of_stopped_clusters_are_removed_and_running_ones_kept(tmp_path, monkeypatch):
     """Each Ray behind HAProxy gets a folder of its own; a later start clears those whose HAProxy is
     gone, never one whose admin socket (in its node's subfolder) still answers."""
