@@ -119,7 +119,8 @@ def measure(model: str, layout: Layout, batches: tuple[list, list, int], args) -
     import torch
 
     from cluster.config import EngineConfig
-    from engine.executor import RayDistributedExecutor, UniProcExecutor
+    from engine.executor import UniProcExecutor
+    from engine.executor.ray_distributed import RayDistributedExecutor
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     prefill, decode, num_kv_blocks = batches

@@ -1,7 +1,8 @@
 """One replica's inference engine (vLLM-shaped): `LLM` offline, `AsyncLLM` for serving."""
 
 from cluster.config import EngineConfig
-from engine.async_llm import AsyncLLM, EngineDeadError
+from engine.async_llm import AsyncLLM
+from engine.errors import EngineDeadError, InsufficientResourcesError
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -12,6 +13,7 @@ __all__ = [
     "AsyncLLM",
     "EngineConfig",
     "EngineDeadError",
+    "InsufficientResourcesError",
     "LLMEngine",
     "SamplingParams",
     "RequestOutput",

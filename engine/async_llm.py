@@ -1,74 +1,51 @@
 """The serving engine: `AsyncLLM` drives an engine core from asyncio and streams its outputs.
 
 The core is an `EngineLoop` (`engine/engine_loop.py`) stepping an `LLMEngine`. With
-`engine_core: thread` it runs on a background thread of this process (torch releases the GIL
-inside kernels); with `engine_core: process` in a child process (`engine/core_proc.py`), so the
-serving work of this process never competes with the steps for the GIL. Either way commands go in
-as tuples and events come back to `_on_events`, which hands outputs to each request's asyncio queue
-with `call_soon_threadsafe`. If the core fails (a step raised, a rank or the core process died),
-every request in flight and every later call ends with `EngineDeadError`, and `check_health()`
-raises it, so Serve replaces the replica.
+`engine_core: thread` it runs on a background thread of this process (`engine/core_thread.py`;
+torch releases the GIL inside kernels); with `engine_core: process` in a child process
+(`engine/core_proc.py`), so the serving work of this process never competes with the steps for the
+GIL. Either way commands go in and events come back to `_on_events` (`engine/core_messages.py`),
+which hands outputs to each request's `RequestOutputCollector` with `call_soon_threadsafe`. If the
+core fails (a step raised, a rank or the core process died), every request in flight and every
+later call ends with `EngineDeadError`, and `check_health()` raises it, so Serve replaces the
+replica.
 """
 
 import asyncio
 import contextlib
 import itertools
-import queue
 import threading
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from cluster.config import EngineConfig
-from engine.engine_loop import EngineLoop, Event, queue_receiver
-from engine.executor import EngineDeadError
-from engine.llm_engine import LLMEngine, load_tokenizer
+from engine.core_messages import (
+    Aborted,
+    AbortRequest,
+    AddRequest,
+    Command,
+    EngineDied,
+    Event,
+    Outputs,
+    RequestAdded,
+    RunInEngine,
+    RunResult,
+)
+from engine.core_thread import EngineCoreThread
+from engine.errors import EngineDeadError
+from engine.llm_engine import LLMEngine
+from engine.output_collector import RequestOutputCollector
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
-
-
-@dataclass(slots=True)
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-
-def _new_tokens(output: RequestOutput) -> int:
-    return max((len(c.token_ids) for c in output.outputs), default=0)
-
-
-class _ThreadCore:
-    """The engine loop on a daemon thread of this process."""
-
-    def __init__(self, config: EngineConfig, placement_group, on_events):
-        self.engine = LLMEngine(config, placement_group)
-        self.max_model_len = self.engine.max_model_len
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        loop = EngineLoop(self.engine, queue_receiver(self._commands), on_events)
-        self._thread = threading.Thread(target=loop.run, name="raylane-engine", daemon=True)
-        self._thread.start()
-
-    def submit(self, command: tuple) -> None:
-        self._commands.put(command)
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def shutdown(self) -> None:
-        self._commands.put(("stop",))
-        # The finalizer of a dropped AsyncLLM can run on this very thread (in an event callback):
-        # the loop then sees "stop" as soon as that callback returns.
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=10)
-        self.engine.shutdown()
+from engine.tokenizer import load_tokenizer
 
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None, placement_group=None, **engine_args):
         self.config = config or EngineConfig(**engine_args)
         self._lock = threading.Lock()  # orders commands against the core dying
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestOutputCollector] = {}
         self._pending: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count()
         self._error: str | None = None
@@ -81,7 +58,7 @@ class AsyncLLM:
             self._core = EngineCoreProc(self.config, on_events)
             self.engine: LLMEngine | None = None  # it lives in the core process
         else:
-            self._core = _ThreadCore(self.config, placement_group, on_events)
+            self._core = EngineCoreThread(self.config, placement_group, on_events)
             self.engine = self._core.engine
         self._finalizer = weakref.finalize(self, self._core.shutdown)
         try:
@@ -112,40 +89,20 @@ class AsyncLLM:
         `on_abort` then gets the engine's last output of it (what `abort` returns), which the
         caller would otherwise never see."""
         request_id = request_id or uuid.uuid4().hex
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        delta = sampling_params is not None and sampling_params.output_kind == RequestOutputKind.DELTA
+        stream = RequestOutputCollector(asyncio.get_running_loop(), delta, self.config.stream_interval)
         self._streams[request_id] = stream
         try:
-            await self._call("add", request_id, prompt, sampling_params, priority)
+            await self._call(AddRequest, request_id, prompt, sampling_params, priority)
         except BaseException:  # the engine's ValueError for a bad prompt or parameter, or a dead core
             self._streams.pop(request_id, None)
             raise
-        delta = sampling_params is not None and sampling_params.output_kind == RequestOutputKind.DELTA
-        interval = self.config.stream_interval if delta else 1
-        finished, failure, held, sent = False, None, None, False
+        finished = False
         try:
-            while failure is None:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if held is not None:
-                    item, held = held.merged(item, delta), None
-                # Outputs that piled up while the consumer was busy (sending the last one on, a slow
-                # client) go out as one, as in vLLM: the stream keeps up with the engine.
-                while not item.finished and not stream.queue.empty():
-                    newer = stream.queue.get_nowait()
-                    if isinstance(newer, BaseException):
-                        failure = newer
-                        break
-                    item = item.merged(newer, delta)
-                if sent and not item.finished and failure is None and _new_tokens(item) < interval:
-                    held = item  # wait for the stream interval's tokens
-                    continue
-                sent = True
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-            raise failure
+            while not finished:
+                output = await stream.get()
+                finished = output.finished
+                yield output
         finally:
             if not finished:
                 last = await asyncio.shield(self.abort(request_id))
@@ -157,7 +114,7 @@ class AsyncLLM:
         its last output (finish reason "abort"; only what its stream has not had yet for DELTA
         requests), or None when the engine no longer knew the request."""
         try:
-            return await self._call("abort", request_id)
+            return await self._call(AbortRequest, request_id)
         except EngineDeadError:
             self._streams.pop(request_id, None)
             return None
@@ -165,7 +122,7 @@ class AsyncLLM:
     async def run_in_engine(self, fn):
         """Run `fn(engine)` on the engine core between steps (for stats and tests). With a core
         process, `fn` and its result cross a pipe: a module-level function and plain data."""
-        return await self._call("call", fn)
+        return await self._call(RunInEngine, fn)
 
     async def check_health(self) -> None:
         """Raise `EngineDeadError` if the engine loop stopped or a rank of its worker group died."""
@@ -196,8 +153,9 @@ class AsyncLLM:
 
     # -- commands out, events in ---------------------------------------------------------------
 
-    async def _call(self, kind: str, *args):
-        """Send one command and wait for its answer."""
+    async def _call(self, command: Callable[..., Command], *args):
+        """Send one command (a `core_messages` class, given its fields after the token) and wait for
+        the event that answers it."""
         done: asyncio.Future = asyncio.get_running_loop().create_future()
         token = next(self._tokens)
         with self._lock:
@@ -205,7 +163,7 @@ class AsyncLLM:
                 raise EngineDeadError(self._error)
             self._pending[token] = done
             try:
-                self._core.submit((kind, token, *args))
+                self._core.submit(command(token, *args))
             except BaseException:
                 del self._pending[token]
                 raise
@@ -216,27 +174,26 @@ class AsyncLLM:
         event loop in one callback, not one wake-up per request."""
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}
         for event in events:
-            kind = event[0]
-            if kind == "output":
-                out = event[1]
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    if out.finished:
-                        self._streams.pop(out.request_id, None)
-                    deliveries.setdefault(stream.loop, []).append((stream.queue, out))
-            elif kind == "added":
-                self._resolve(event[1], None, event[2])
-            elif kind == "aborted":
-                _, token, request_id, out = event
-                stream = self._streams.pop(request_id, None)
-                if stream is not None and out is not None:
-                    deliveries.setdefault(stream.loop, []).append((stream.queue, out))
-                self._resolve(token, out, None)
-            elif kind == "result":
-                self._resolve(*event[1:])
-            elif kind == "dead":
-                _deliver(deliveries)  # what came before the failure first
-                self._fail(event[1])
+            match event:
+                case Outputs(outputs):
+                    for out in outputs:
+                        stream = self._streams.get(out.request_id)
+                        if stream is not None:
+                            if out.finished:
+                                self._streams.pop(out.request_id, None)
+                            deliveries.setdefault(stream.loop, []).append((stream, out))
+                case RequestAdded(token, error):
+                    self._resolve(token, None, error)
+                case Aborted(token, request_id, out):
+                    stream = self._streams.pop(request_id, None)
+                    if stream is not None and out is not None:
+                        deliveries.setdefault(stream.loop, []).append((stream, out))
+                    self._resolve(token, out, None)
+                case RunResult(token, result, error):
+                    self._resolve(token, result, error)
+                case EngineDied(message):
+                    _deliver(deliveries)  # what came before the failure first
+                    self._fail(message)
         _deliver(deliveries)
 
     def _resolve(self, token: int, result, error: BaseException | None) -> None:
@@ -252,7 +209,7 @@ class AsyncLLM:
             pending, self._pending = self._pending, {}
         failures: dict[asyncio.AbstractEventLoop, list] = {}
         for stream in streams.values():
-            failures.setdefault(stream.loop, []).append((stream.queue, EngineDeadError(message)))
+            failures.setdefault(stream.loop, []).append((stream, EngineDeadError(message)))
         _deliver(failures)
         for done in pending.values():
             _call_soon(done.get_loop(), _set_future, done, None, EngineDeadError(message))
@@ -283,9 +240,9 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
         loop.call_soon_threadsafe(fn, *args)
 
 
-def _put_all(items: list) -> None:
-    for queue_, item in items:
-        queue_.put_nowait(item)
+def _put_all(items: list[tuple[RequestOutputCollector, RequestOutput | BaseException]]) -> None:
+    for stream, item in items:
+        stream.put(item)
 
 
 def _set_future(future: asyncio.Future, result, error) -> None:

@@ -4,7 +4,8 @@ In a serving process the event loop spends CPU on every streamed chunk (the repl
 SSE framing). On an engine thread of the same process that work takes turns with the engine's
 Python for the GIL, so streaming slows the steps themselves. Here the `EngineLoop` runs in a child
 process (spawned, so no thread state is forked) and talks to `AsyncLLM` over a pipe: pickled
-command tuples in, one pickled list of events per engine pass out, never a round trip per step.
+commands in, one pickled list of events per engine pass out (`engine/core_messages.py`), never a
+round trip per step.
 The child is `python -m engine.core_proc FD` with one end of a socket pair, not a multiprocessing
 spawn, which would re-run the caller's `__main__` script in the child.
 
@@ -15,6 +16,7 @@ processes of their own.
 """
 
 import contextlib
+import dataclasses
 import logging
 import os
 import pickle
@@ -27,8 +29,18 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from cluster.config import EngineConfig
-from engine.engine_loop import EngineLoop, Event
-from engine.executor import EngineDeadError
+from engine.core_messages import (
+    Command,
+    CoreFailed,
+    CoreReady,
+    EngineDied,
+    Event,
+    RunResult,
+    Shutdown,
+    StartCore,
+)
+from engine.engine_loop import EngineLoop
+from engine.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -37,33 +49,39 @@ def _dumps(obj) -> bytes:
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _sendable(event: Event) -> Event:
-    """`event` if it pickles; else the same event with its exception or result made plain text."""
+def _sendable(message):
+    """`message` if it pickles; else the same message with its exceptions (or its result) made plain
+    text, so the serving side still hears that the call ended, and how."""
     try:
-        _dumps(event)
-        return event
+        _dumps(message)
+        return message
     except Exception as e:
-        if event[0] == "result":
-            return ("result", event[1], None, RuntimeError(f"run_in_engine: the result does not pickle: {e}"))
-        return tuple(
-            RuntimeError(f"{type(x).__name__}: {x}") if isinstance(x, BaseException) else x for x in event
-        )
+        if isinstance(message, RunResult) and message.error is None:
+            return RunResult(
+                message.token, None, RuntimeError(f"run_in_engine: the result does not pickle: {e}")
+            )
+        plain = {
+            f.name: RuntimeError(f"{type(value).__name__}: {value}")
+            for f in dataclasses.fields(message)
+            if isinstance(value := getattr(message, f.name), BaseException)
+        }
+        return dataclasses.replace(message, **plain)
 
 
 def run_engine_core(conn: Connection) -> None:
-    """The child's main: load the engine, report ready, then run the loop until "stop" or EOF."""
+    """The child's main: load the engine, report ready, then run the loop until `Shutdown` or EOF."""
     import torch
 
     from engine.llm_engine import LLMEngine
 
-    config, torch_threads = pickle.loads(conn.recv_bytes())
-    torch.set_num_threads(torch_threads)  # as many as the serving process has (an engine thread's count)
+    start: StartCore = pickle.loads(conn.recv_bytes())
+    torch.set_num_threads(start.torch_threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-core: %(message)s")
     try:
-        engine = LLMEngine(config)
+        engine = LLMEngine(start.config)
     except BaseException as e:  # noqa: BLE001 - the serving process re-raises it
-        conn.send_bytes(_dumps(("failed", _sendable(("failed", e))[1])))
+        conn.send_bytes(_dumps(_sendable(CoreFailed(e))))
         return
 
     def emit(events: list[Event]) -> None:
@@ -73,24 +91,24 @@ def run_engine_core(conn: Connection) -> None:
             payload = _dumps([_sendable(e) for e in events])
         conn.send_bytes(payload)
 
-    def receive(block: bool) -> list[tuple]:
+    def receive(block: bool) -> list[Command]:
         # The loop polls the socket itself between steps: no reader thread to take turns with for the GIL.
         commands = []
         try:
             while conn.poll(None if block and not commands else 0):
                 commands.append(pickle.loads(conn.recv_bytes()))
         except (EOFError, OSError):
-            commands.append(("stop",))  # the serving process is gone: nobody will read another output
+            commands.append(Shutdown())  # the serving process is gone: nobody will read another output
         return commands
 
-    conn.send_bytes(_dumps(("ready", {"max_model_len": engine.max_model_len})))
+    conn.send_bytes(_dumps(CoreReady(engine.max_model_len)))
     EngineLoop(engine, receive, emit).run()
     engine.shutdown()
 
 
 class EngineCoreProc:
     """The serving side of an engine core process: `submit` commands, events go to `on_events`
-    from a reader thread. If the child dies, `on_events` gets a last ("dead", ...) event."""
+    from a reader thread. If the child dies, `on_events` gets a last `EngineDied`."""
 
     def __init__(self, config: EngineConfig, on_events: Callable[[list[Event]], None]):
         import torch
@@ -102,17 +120,17 @@ class EngineCoreProc:
         self.process = subprocess.Popen(command, pass_fds=[fd], env=env)
         theirs.close()
         self._conn = Connection(mine.detach())
-        self._conn.send_bytes(_dumps((config, torch.get_num_threads())))
+        self._conn.send_bytes(_dumps(StartCore(config, torch.get_num_threads())))
         try:
-            kind, info = pickle.loads(self._conn.recv_bytes())  # blocks while the child loads the model
+            started = pickle.loads(self._conn.recv_bytes())  # blocks while the child loads the model
         except (EOFError, OSError):
             raise EngineDeadError(
                 f"engine core process exited while loading (exit code {self.process.wait(5)})"
             ) from None
-        if kind == "failed":
+        if isinstance(started, CoreFailed):
             self.process.wait(5)
-            raise info
-        self.max_model_len: int = info["max_model_len"]
+            raise started.error
+        self.max_model_len: int = started.max_model_len
         self._send_lock = threading.Lock()
         self._closing = False
         self._reader = threading.Thread(
@@ -120,7 +138,7 @@ class EngineCoreProc:
         )
         self._reader.start()
 
-    def submit(self, command: tuple) -> None:
+    def submit(self, command: Command) -> None:
         payload = _dumps(command)  # a command that does not pickle fails here, in its caller
         try:
             with self._send_lock:
@@ -141,14 +159,14 @@ class EngineCoreProc:
                         code = self.process.wait(1)
                     except subprocess.TimeoutExpired:
                         code = None
-                    on_events([("dead", f"engine core process exited (exit code {code})")])
+                    on_events([EngineDied(f"engine core process exited (exit code {code})")])
                 return
             on_events(events)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._closing = True
         with contextlib.suppress(EngineDeadError):
-            self.submit(("stop",))
+            self.submit(Shutdown())
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -1,37 +1,40 @@
-"""The loop that steps an `LLMEngine`: commands in, events out.
+"""The loop that steps an `LLMEngine`: commands in, events out (`engine/core_messages.py`).
 
 `AsyncLLM` runs it on a thread of the serving process, or in a process of its own
-(`engine/core_proc.py`); either way it is the only code that touches the engine. Commands are
-tuples whose second item is a token the caller matches events to:
-
-    ("add", token, request_id, prompt, params, priority)  -> ("added", token, error | None)
-    ("abort", token, request_id)                          -> ("aborted", token, request_id, output | None)
-    ("call", token, fn)                                   -> ("result", token, fn(engine), error | None)
-    ("stop",)
-
-and every step's outputs come as ("output", RequestOutput). If the engine fails, the last event
-is ("dead", message): nothing runs after it.
+(`engine/core_proc.py`); either way it is the only code that touches the engine.
 
 `receive(block)` returns the commands that arrived (waiting for at least one when `block`: the
-engine has nothing to do); `emit(events)` gets the events of one pass, in order.
+engine has nothing to do); `emit(events)` gets the events of one pass, in order: the answers to
+that pass's commands, then the step's `Outputs`.
 """
 
 import logging
 import queue
 from collections.abc import Callable
 
-from engine.executor import EngineDeadError
+from engine.core_messages import (
+    Aborted,
+    AbortRequest,
+    AddRequest,
+    Command,
+    EngineDied,
+    Event,
+    Outputs,
+    RequestAdded,
+    RunInEngine,
+    RunResult,
+    Shutdown,
+)
+from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
-Event = tuple
 
-
-def queue_receiver(commands: queue.SimpleQueue) -> Callable[[bool], list[tuple]]:
+def queue_receiver(commands: queue.SimpleQueue) -> Callable[[bool], list[Command]]:
     """`receive` for a loop on a thread: commands put on `commands` by the serving side."""
 
-    def receive(block: bool) -> list[tuple]:
+    def receive(block: bool) -> list[Command]:
         received = [commands.get()] if block else []
         while not commands.empty():
             received.append(commands.get_nowait())
@@ -44,7 +47,7 @@ class EngineLoop:
     def __init__(
         self,
         engine: LLMEngine,
-        receive: Callable[[bool], list[tuple]],
+        receive: Callable[[bool], list[Command]],
         emit: Callable[[list[Event]], None],
     ):
         self.engine = engine
@@ -58,34 +61,42 @@ class EngineLoop:
             while not self._stopped:
                 events = self._handle_commands(self._receive(not engine.has_unfinished_requests()))
                 if engine.has_unfinished_requests() and not self._stopped:
-                    events.extend(("output", out) for out in engine.step())
+                    outputs = engine.step()
+                    if outputs:
+                        events.append(Outputs(outputs))
                 if events:
                     self._emit(events)
         except BaseException as e:  # noqa: BLE001 - every waiting request must hear about it
             logger.exception("engine loop failed")
-            self._emit([("dead", str(e) if isinstance(e, EngineDeadError) else f"engine failed: {e!r}")])
+            self._emit([EngineDied(str(e) if isinstance(e, EngineDeadError) else f"engine failed: {e!r}")])
 
-    def _handle_commands(self, commands: list[tuple]) -> list[Event]:
+    def _handle_commands(self, commands: list[Command]) -> list[Event]:
         events: list[Event] = []
-        for kind, *args in commands:
-            if kind == "stop":
-                self._stopped = True
-            else:
-                events.append(getattr(self, f"_do_{kind}")(*args))
+        for command in commands:
+            match command:
+                case AddRequest():
+                    events.append(self._add(command))
+                case AbortRequest(token, request_id):
+                    events.append(Aborted(token, request_id, self.engine.abort_request(request_id)))
+                case RunInEngine(token, fn):
+                    events.append(self._run(token, fn))
+                case Shutdown():
+                    self._stopped = True
+                case _:
+                    raise TypeError(f"engine loop: unknown command {command!r}")
         return events
 
-    def _do_add(self, token: int, request_id: str, prompt, params, priority: int) -> Event:
+    def _add(self, command: AddRequest) -> RequestAdded:
         try:
-            self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
+            self.engine.add_request(
+                command.prompt, command.params, request_id=command.request_id, priority=command.priority
+            )
         except Exception as e:  # a bad prompt or parameter: the caller's ValueError
-            return ("added", token, e)
-        return ("added", token, None)
+            return RequestAdded(command.token, e)
+        return RequestAdded(command.token, None)
 
-    def _do_abort(self, token: int, request_id: str) -> Event:
-        return ("aborted", token, request_id, self.engine.abort_request(request_id))
-
-    def _do_call(self, token: int, fn) -> Event:
+    def _run(self, token: int, fn) -> RunResult:
         try:
-            return ("result", token, fn(self.engine), None)
+            return RunResult(token, fn(self.engine), None)
         except Exception as e:
-            return ("result", token, None, e)
+            return RunResult(token, None, e)

@@ -1,24 +1,22 @@
 """Grammar work a client controls, bounded: off the event loop, off the engine loop, within a time limit.
 
-A client's JSON schema, regex or EBNF grammar can cost exponential time to check and compile
-(measured with the demo tokenizer: `anyOf` nested 12 deep took 13 s in `jsonschema`'s schema
-check, 2.3 s to build and 23 s to compile; an enum of 40 strings of 2,000 characters, 80 KB of
-schema, compiled in 17 s). So that work runs in a `BoundedWorker`, a separate process, one call at
-a time: a call that passes its time limit kills the worker (a C++ compile cannot be interrupted any
-other way), its caller gets `GrammarTimeout`, and the next call starts a fresh worker, forked from
-a forkserver that has imported xgrammar already, so the restart takes milliseconds, not the
-seconds of a cold `import torch`.
+A client's JSON schema, regex or EBNF grammar can cost exponential time to check and compile (a
+deeply nested `anyOf`, an enum of long strings: seconds to tens of seconds with the demo
+tokenizer). So that work runs in a `BoundedWorker`, a separate process, one call at a time: a call
+that passes its time limit kills the worker (a C++ compile cannot be interrupted any other way), its
+caller gets `GrammarTimeout`, and the next call starts a fresh worker, forked from a forkserver that
+has imported xgrammar already, so the restart is cheap next to a cold `import torch`.
 
 Two callers: the gateway checks and builds a request's grammar there (`run`) before any pool sees
 it, and a pool compiles it there (`GrammarCompileService.prepare`) with the engine's own tokenizer
 info and hands the serialized result to the engine in `StructuredOutputParams.compiled`, which the
-engine deserializes (bounded by `MAX_COMPILED_BYTES`: ~0.3 s for 2 MiB here) instead of compiling.
+engine deserializes (bounded by `MAX_COMPILED_BYTES`) instead of compiling.
 
-The bound: `GRAMMAR_TIMEOUT_S` (5 s) per check and per compile, on one core of the worker; the
-text itself is at most `structured_output.MAX_GRAMMAR_CHARS`. `python -m engine.grammar_compiler`
-measures it: the 17 s enum above is refused after 5.05 s, and the next grammar (a fresh worker)
-compiles in 0.16 s (2-core EPYC, 2026-12-02). Calls wait their turn for the worker, so a client
-sending many costly grammars at once delays the next grammar by up to 5 s per call queued ahead.
+The bound: `GRAMMAR_TIMEOUT_S` per check and per compile, on one core of the worker; the text
+itself is at most `structured_output.MAX_GRAMMAR_CHARS`. `python -m engine.grammar_compiler`
+measures what a catastrophic grammar costs its caller and what the next grammar pays for a fresh
+worker. Calls wait their turn for the worker, so a client sending many costly grammars at once
+delays the next grammar by up to `GRAMMAR_TIMEOUT_S` per call queued ahead.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 GRAMMAR_TIMEOUT_S = 5.0  # one check or compile, CPU time of one core in the worker
-START_TIMEOUT_S = 180.0  # a cold forkserver imports torch + xgrammar (tens of seconds on a busy 2-core box)
+START_TIMEOUT_S = 180.0  # a cold forkserver imports torch + xgrammar: slow on a busy machine
 MAX_COMPILED_BYTES = 2 * 1024 * 1024  # serialized compiled grammar the engine loop may deserialize
 
 

@@ -1,78 +1,33 @@
 """The synchronous engine core: add requests, `step()` the batch, collect outputs.
 
-`LLM` (offline) and `AsyncLLM` (serving) both drive this class; it owns the scheduler,
-the KV block manager, the executor (the model in-process, or one Ray actor per rank) and the
-sampler, and turns sampled tokens into `RequestOutput`s (detokenized, with stop conditions
-applied). A step that fails leaves the engine dead: every later step and `check_health()`
-raise `EngineDeadError`.
+`LLM` (offline) and `AsyncLLM` (serving) both drive this class. It takes requests in (one engine
+`Request` per sample of `n`), and each step schedules a batch, runs it on the executor (the model
+in-process, or one Ray actor per rank), samples, and verifies speculative drafts. Its
+`OutputProcessor` turns the sampled tokens into `RequestOutput`s (text, stop strings, logprobs). A
+step that fails leaves the engine dead: every later step and `check_health()` raise
+`EngineDeadError`.
 """
 
 import itertools
-import logging
-import os
 import time
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 
 from cluster.config import EngineConfig
 from engine.block_manager import BlockManager
-from engine.detokenizer import IncrementalDetokenizer
-from engine.executor import EngineDeadError, make_executor
+from engine.errors import EngineDeadError
+from engine.executor import make_executor
 from engine.model_runner import ModelInput
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import RejectionSampler, SpecDecodeStats, make_proposer
+from engine.tokenizer import eos_token_ids, load_tokenizer
 from models.decoder import sliding_window_of
-from models.gguf import checkpoint_dir
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True, eq=False)
-class ParentRequest:
-    """A user request: n child `Request`s that sample independently from one prompt."""
-
-    request_id: str
-    prompt: str | None
-    params: SamplingParams
-    children: list[Request]
-    detokenizers: list[IncrementalDetokenizer | None]
-    sent_text: list[int] = field(default_factory=list)  # chars/tokens already sent (DELTA outputs)
-    sent_tokens: list[int] = field(default_factory=list)
-    finish_time: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(c.status.finished for c in self.children)
-
-
-def load_tokenizer(path: str):
-    """The checkpoint's tokenizer, or None for a checkpoint without one (token-id prompts only)."""
-    from transformers import AutoTokenizer
-
-    path = checkpoint_dir(path)
-    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    return AutoTokenizer.from_pretrained(path)
-
-
-def eos_token_ids(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
-    ids: set[int] = set()
-    try:
-        from transformers import GenerationConfig
-
-        eos = GenerationConfig.from_pretrained(checkpoint_dir(model_dir)).eos_token_id
-    except OSError:
-        eos = getattr(hf_config, "eos_token_id", None)
-    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
 
 
 class LLMEngine:
@@ -112,7 +67,7 @@ class LLMEngine:
         self.proposer = make_proposer(config, self.executor.num_blocks, self.vocab_size)
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
         self.spec_decode_stats = SpecDecodeStats()
-        self.parents: dict[str, ParentRequest] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._structured = None
         self._ids = itertools.count()
 
@@ -148,50 +103,42 @@ class LLMEngine:
     ) -> str:
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.parents:
+        if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id: {request_id!r} is already running")
         token_ids = self.tokenize(prompt)
         self._validate_prompt(token_ids, params)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
-        children, detoks = [], []
-        for i in range(params.n):
-            child_params = params
-            if params.n > 1 and params.seed is not None:
-                child_params = params.clone(seed=params.seed + i)
-            child = Request(
-                request_id=request_id if params.n == 1 else f"{i}_{request_id}",
-                prompt_token_ids=token_ids,
-                sampling_params=child_params,
-                priority=priority,
-                arrival_time=arrival_time,
-                max_total_tokens=self.max_model_len,
-                eos_token_ids=self.eos_token_ids,
-            )
-            if params.structured is not None:
-                child.grammar = self.structured_output.new_matcher(params.structured)
-            children.append(child)
-            detoks.append(self._new_detokenizer(token_ids, params))
-        parent = ParentRequest(
-            request_id, prompt if isinstance(prompt, str) else None, params, children, detoks
-        )
-        parent.sent_text = [0] * params.n
-        parent.sent_tokens = [0] * params.n
-        self.parents[request_id] = parent
-        for child in children:
-            self.scheduler.add_request(child)
+        samples = self._fan_out(request_id, token_ids, params, priority, arrival_time)
+        self.output_processor.add_request(request_id, prompt, params, samples)
+        for sample in samples:
+            self.scheduler.add_request(sample)
         return request_id
 
-    def _new_detokenizer(self, prompt_ids: list[int], params: SamplingParams):
-        if self.tokenizer is None:
-            return None
-        return IncrementalDetokenizer(
-            self.tokenizer,
-            prompt_ids,
-            stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-            skip_special_tokens=params.skip_special_tokens,
-            min_tokens=params.min_tokens,
-        )
+    def _fan_out(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int, arrival: float
+    ) -> list[Request]:
+        """One engine request per sample of `n`, each scheduled on its own. With a seed, sample i gets
+        seed + i, so the samples differ yet repeat."""
+        samples = []
+        for index in range(params.n):
+            own = (
+                params.clone(seed=params.seed + index) if params.n > 1 and params.seed is not None else params
+            )
+            sample = Request(
+                request_id=request_id if params.n == 1 else f"{index}_{request_id}",
+                prompt_token_ids=token_ids,
+                sampling_params=own,
+                priority=priority,
+                arrival_time=arrival,
+                max_total_tokens=self.max_model_len,
+                eos_token_ids=self.eos_token_ids,
+                parent_id=request_id,
+                index=index,
+            )
+            if params.structured is not None:
+                sample.grammar = self.structured_output.new_matcher(params.structured)
+            samples.append(sample)
+        return samples
 
     @property
     def structured_output(self):
@@ -207,13 +154,13 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output."""
-        parent = self.parents.get(request_id)
-        if parent is None:
+        samples = self.output_processor.samples(request_id)
+        if samples is None:
             return None
-        for child in parent.children:
-            if not child.status.finished:
-                self._finish(child, RequestStatus.FINISHED_ABORTED)
-        return self._make_output(parent)
+        for sample in samples:
+            if not sample.status.finished:
+                self._finish(sample, RequestStatus.FINISHED_ABORTED)
+        return self.output_processor.make_output(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -233,7 +180,6 @@ class LLMEngine:
             request.num_computed_tokens += num_new - len(request.spec_token_ids)
             self.block_manager.cache_full_blocks(request)
             self.block_manager.free_outside_window(request)
-        touched: dict[str, ParentRequest] = {}
         plain = [(row, r) for row, r in sampling if not r.spec_token_ids]
         if plain:
             rows = [row for row, _ in plain]
@@ -246,9 +192,7 @@ class LLMEngine:
         for row, request in sampling:
             if request.spec_token_ids:
                 self._verify_drafts(request, logits[row : row + len(request.spec_token_ids) + 1])
-        for _, request in sampling:
-            touched[self._parent_id(request)] = self.parents[self._parent_id(request)]
-        return [out for p in touched.values() if (out := self._make_output(p)) is not None]
+        return self.output_processor.make_outputs([request for _, request in sampling])
 
     def _verify_drafts(self, request: Request, logits: torch.Tensor) -> None:
         """Keep the accepted drafts and the target's next token; roll the rejected drafts' KV back."""
@@ -324,24 +268,11 @@ class LLMEngine:
         if rows:
             self.structured_output.apply_masks(logits, rows, [requests[i].grammar for i in rows])
 
-    def _parent_id(self, request: Request) -> str:
-        return request.request_id if request.sampling_params.n == 1 else request.request_id.split("_", 1)[1]
-
     def _append_token(self, request: Request, token_id: int, logprobs) -> None:
         request.append_token(token_id)
         if request.grammar is not None:
             request.grammar.accept_token(token_id)
-        if logprobs is not None:
-            request.logprobs.append(self._logprob_entry(token_id, logprobs))
-        status = request.check_stop()
-        parent = self.parents[self._parent_id(request)]
-        detok = parent.detokenizers[parent.children.index(request)]
-        # A token that stopped the request (EOS, a stop token id) is not part of the text, as in vLLM.
-        if detok is not None and status != RequestStatus.FINISHED_STOPPED:
-            detok.update([token_id])
-            if detok.stopped_by is not None:
-                request.stop_reason = detok.stopped_by
-                status = RequestStatus.FINISHED_STOPPED
+        status = self.output_processor.process_token(request, token_id, logprobs, request.check_stop())
         if status is not None:
             self._finish(request, status)
 
@@ -349,70 +280,4 @@ class LLMEngine:
         self.scheduler.finish(request, status)
         if self.proposer is not None:
             self.proposer.free(request)
-        parent = self.parents[self._parent_id(request)]
-        detok = parent.detokenizers[parent.children.index(request)]
-        if detok is not None and detok.stopped_by is None:
-            detok.flush()  # release text held back in case it began a stop string
-
-    def _logprob_entry(self, token_id: int, logprobs) -> dict[int, Logprob]:
-        sampled, top = logprobs
-        entry = {tid: Logprob(lp) for tid, lp in top}
-        entry[token_id] = Logprob(sampled)
-        if self.tokenizer is not None:
-            for tid, lp in entry.items():
-                lp.decoded_token = self.tokenizer.decode([tid])
-        return entry
-
-    # -- outputs -------------------------------------------------------------------------------
-
-    def _make_output(self, parent: ParentRequest) -> RequestOutput | None:
-        kind = parent.params.output_kind
-        finished = parent.finished
-        if finished:
-            self.parents.pop(parent.request_id, None)
-            parent.finish_time = time.monotonic()
-        if kind == RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        outputs = [
-            self._completion(parent, i, kind == RequestOutputKind.DELTA) for i in range(parent.params.n)
-        ]
-        first = parent.children[0]
-        return RequestOutput(
-            request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=outputs,
-            finished=finished,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
-            metrics=self._metrics(parent),
-        )
-
-    def _completion(self, parent: ParentRequest, i: int, delta: bool) -> CompletionOutput:
-        child, detok = parent.children[i], parent.detokenizers[i]
-        text = detok.text if detok is not None else ""
-        tokens, logprobs = (
-            child.output_token_ids,
-            child.logprobs if child.sampling_params.logprobs is not None else None,
-        )
-        if delta:
-            text_from, tokens_from = parent.sent_text[i], parent.sent_tokens[i]
-            parent.sent_text[i], parent.sent_tokens[i] = len(text), len(tokens)
-            text, tokens = text[text_from:], tokens[tokens_from:]
-            logprobs = logprobs[tokens_from:] if logprobs is not None else None
-        return CompletionOutput(
-            index=i,
-            text=text,
-            token_ids=list(tokens),
-            logprobs=list(logprobs) if logprobs is not None else None,
-            finish_reason=child.status.finish_reason,
-            stop_reason=child.stop_reason,
-        )
-
-    def _metrics(self, parent: ParentRequest) -> dict:
-        first = parent.children[0]
-        metrics = {"arrival_time": first.arrival_time, "num_preemptions": first.num_preemptions}
-        if first.first_token_time is not None:
-            metrics["time_to_first_token"] = first.first_token_time - first.arrival_time
-        if parent.finish_time is not None:
-            metrics["e2e_latency"] = parent.finish_time - first.arrival_time
-        return metrics
+        self.output_processor.finish_request(request)

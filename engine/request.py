@@ -36,6 +36,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     max_total_tokens: int = 0  # prompt + output may not exceed this (the model's context)
     eos_token_ids: frozenset[int] = frozenset()
+    # The user request this one samples for and its place among that request's `n` samples (vLLM's
+    # parent request). Outputs are gathered by these, never by parsing request ids. "": its own parent.
+    parent_id: str = ""
+    index: int = 0
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache; -1 until first scheduled
@@ -46,7 +50,6 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     grammar: Any = None  # a structured-output matcher state when the request is constrained
-    logprobs: list = field(default_factory=list)
     first_token_time: float | None = None
     # Speculative decoding: this step's unverified draft tokens (never in all_token_ids) and, from a
     # draft model, the distributions they were drawn from ([k, vocab]; None: one-hot/greedy).
@@ -54,6 +57,7 @@ class Request:
     spec_draft_probs: Any = None
 
     def __post_init__(self) -> None:
+        self.parent_id = self.parent_id or self.request_id
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
         if self.sampling_params.seed is not None:

@@ -98,7 +98,7 @@ class EngineConfig(StrictModel):
         "process needs the in-process executor (one rank). auto: process for one rank, thread otherwise.",
     )
 
-    # -- parallelism (engine/executor.py; the rank layout is in parallel/state.py) -------------
+    # -- parallelism (engine/executor/; the rank layout is in parallel/state.py) --------------
     tensor_parallel_size: int = Field(
         1, ge=1, description="Ranks that split every layer (attention heads, MLP and expert widths)."
     )

@@ -18,10 +18,12 @@ import pytest
 import torch
 
 from engine import LLM, AsyncLLM, EngineConfig, EngineDeadError, SamplingParams
-from engine.executor import RayDistributedExecutor, UniProcExecutor
+from engine.errors import InsufficientResourcesError
+from engine.executor import UniProcExecutor
+from engine.executor.placement import check_cluster_fits
+from engine.executor.ray_distributed import RayDistributedExecutor
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelInput
-from engine.placement import InsufficientResourcesError, check_cluster_fits
 from tests.hf_models import make_checkpoint
 from tests.unit.test_engine_vs_hf import NEW_TOKENS, hf_greedy, prompts
 
@@ -281,7 +283,7 @@ import json, sys
 import ray
 from ray.cluster_utils import Cluster
 from engine import LLM, SamplingParams
-from engine.placement import InsufficientResourcesError
+from engine.errors import InsufficientResourcesError
 
 path = sys.argv[1]
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})

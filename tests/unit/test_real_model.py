@@ -96,7 +96,7 @@ def test_a_rank_reads_only_its_rows_of_a_permuted_projection(gguf_path, hf_model
 
 
 def test_tokenizer_and_chat_template_come_from_the_file(gguf_path, chat_prompts):
-    from engine.llm_engine import load_tokenizer
+    from engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(gguf_path))
     text = tokenizer.apply_chat_template([{"role": "user", "content": CHATS[0]}], add_generation_prompt=True)

@@ -1,32 +1,33 @@
-"""Where the model runs: in this process (one rank) or on a group of Ray actors (one per rank).
+"""The ranks as Ray actors: tensor_parallel_size x expert_parallel_size of them.
 
-`LLMEngine` drives an `Executor`: `execute_model(ModelInput)` returns the sampled rows'
-logits, `num_blocks` is the KV block count every rank holds, `check_health()` raises
-`EngineDeadError` once a rank is gone, `shutdown()` releases the ranks.
-
-- `UniProcExecutor`: one `ModelRunner` in this process; Ray is not imported.
-- `RayDistributedExecutor`: tensor_parallel_size x expert_parallel_size ranks (layout in
-  `parallel/state.py`), one `RankWorker` actor each, rank i in bundle i of a placement group
-  (`engine/placement.py`), each with `cpus_per_rank` CPUs and, where there are GPUs, one GPU.
-  The ranks join torch.distributed (nccl on GPUs, gloo on CPUs) through a TCP store on rank 0,
-  load only their shards and take the smallest KV block count any rank can hold. Each step
-  reaches every rank through a Ray compiled graph (shared-memory channels; about 0.7 ms per
-  step on two CPU cores against 2.2 ms for one actor call per rank, see bench/PARALLEL.md) and
-  only rank 0 returns logits. A rank that dies, or a step that outlasts `step_timeout_s`, raises
-  `EngineDeadError` naming the rank; the rest of the group is then killed so nothing waits on
-  it, and `check_health()` keeps raising.
+The layout is `parallel/state.py`'s; there is one `RankWorker` actor per rank, rank i in bundle i
+of a placement group (`placement.py`), each with `cpus_per_rank` CPUs and, where there are
+GPUs, one GPU. The ranks join torch.distributed (nccl on GPUs, gloo on CPUs) through a TCP store on
+rank 0, load only their shards and take the smallest KV block count any rank can hold. Each step
+reaches every rank through a Ray compiled graph (shared-memory channels, built once; cheaper per
+step than one actor call per rank: bench/PARALLEL.md compares the two) and only rank 0 returns
+logits. A rank that dies, or a step that outlasts `step_timeout_s`, raises `EngineDeadError` naming
+the rank; the rest of the group is then killed so nothing waits on it, and `check_health()` keeps
+raising.
 """
 
 import logging
 import os
 import time
 import weakref
-from abc import ABC, abstractmethod
 
+import ray
 import torch
+from ray.dag import InputNode, MultiOutputNode
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from transformers import AutoConfig
 
 from cluster.config import EngineConfig
-from engine.model_runner import ModelInput, ModelRunner
+from engine.errors import EngineDeadError, InsufficientResourcesError
+from engine.executor.abstract import Executor
+from engine.executor.placement import acquire, rank_bundle, use_gpus
+from engine.executor.rank_worker import RankWorker
+from engine.model_runner import ModelInput
 from models.gguf import checkpoint_dir
 
 logger = logging.getLogger(__name__)
@@ -34,77 +35,22 @@ logger = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 10.0
 
 
-class EngineDeadError(RuntimeError):
-    """The engine failed (its step loop or a rank of its worker group); requests in flight end
-    with this error instead of hanging, and `check_health()` raises it from then on."""
-
-
-class Executor(ABC):
-    num_blocks: int
-    hf_config: object
-
-    @abstractmethod
-    def execute_model(self, batch: ModelInput) -> torch.Tensor:
-        """Run one step on every rank; float32 logits [len(batch.sample_indices), vocab] on CPU."""
-
-    @abstractmethod
-    def check_health(self) -> None:
-        """Raise `EngineDeadError` if the ranks can no longer run steps."""
-
-    @abstractmethod
-    def shutdown(self) -> None:
-        """Release the ranks and their resources."""
-
-
-def make_executor(config: EngineConfig, placement_group=None) -> Executor:
-    """In-process for one rank (unless a placement group is handed in or Ray is asked for)."""
-    backend = config.distributed_executor_backend
-    one_rank = config.world_size == 1 and placement_group is None
-    if backend == "uni" or (backend == "auto" and one_rank):
-        if placement_group is not None:
-            raise ValueError("placement_group: the in-process executor ('uni') runs in no placement group")
-        return UniProcExecutor(config)
-    return RayDistributedExecutor(config, placement_group)
-
-
-class UniProcExecutor(Executor):
-    def __init__(self, config: EngineConfig):
-        self.runner = ModelRunner(config)
-        self.runner.allocate_kv_cache(self.runner.available_kv_blocks())
-        self.num_blocks = self.runner.num_blocks
-        self.hf_config = self.runner.hf_config
-
-    def execute_model(self, batch: ModelInput) -> torch.Tensor:
-        return self.runner.execute_model(batch)
-
-    def check_health(self) -> None:
-        pass  # a failed step raises in the caller's thread; nothing else can die on its own
-
-    def shutdown(self) -> None:
-        pass
-
-
 class RayDistributedExecutor(Executor):
     """One Ray actor per rank. `placement_group`: use its first world_size bundles (see
-    `engine/placement.py` for the default). `compiled_graph=False` sends each step as one actor
+    `placement.py` for the default). `compiled_graph=False` sends each step as one actor
     call per rank instead (slower; kept to measure the difference)."""
 
     def __init__(self, config: EngineConfig, placement_group=None, compiled_graph: bool = True):
-        import ray
-        from transformers import AutoConfig
-
-        from engine import placement
-
         self.config, self.world_size = config, config.world_size
         self.hf_config = AutoConfig.from_pretrained(checkpoint_dir(config.model))
         check_parallel_layout(self.hf_config, config)
         if not ray.is_initialized():
             ray.init()
-        use_gpu = placement.use_gpus(config.device, placement_group, self.world_size)
+        use_gpu = use_gpus(config.device, placement_group, self.world_size)
         backend = config.distributed_backend
         self.backend = ("nccl" if use_gpu else "gloo") if backend == "auto" else backend
-        self.bundle = placement.rank_bundle(config.cpus_per_rank, use_gpu)
-        self.placement_group, owns_pg = placement.acquire(
+        self.bundle = rank_bundle(config.cpus_per_rank, use_gpu)
+        self.placement_group, owns_pg = acquire(
             self.world_size,
             self.bundle,
             config.placement_strategy,
@@ -129,11 +75,6 @@ class RayDistributedExecutor(Executor):
     # -- start-up ------------------------------------------------------------------------------
 
     def _start_workers(self, use_gpu: bool) -> None:
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from engine.rank_worker import RankWorker
-
         actor_class = ray.remote(concurrency_groups={"health": 1})(RankWorker)
         env = {k: v for k, v in os.environ.items() if k.startswith("RAYLANE_")}
         for rank in range(self.world_size):
@@ -165,10 +106,6 @@ class RayDistributedExecutor(Executor):
     def _wait_scheduled(self) -> None:
         """Fail fast when the bundles have no room for the actors (e.g. a Serve replica's bundle 0
         already taken by the replica itself)."""
-        import ray
-
-        from engine.placement import InsufficientResourcesError
-
         pings = [w.ping.options(concurrency_group="health").remote() for w in self.workers]
         ready, waiting = ray.wait(pings, num_returns=len(pings), timeout=self.config.placement_timeout_s)
         if waiting:
@@ -181,8 +118,6 @@ class RayDistributedExecutor(Executor):
         ray.get(ready)
 
     def _compile(self):
-        from ray.dag import InputNode, MultiOutputNode
-
         with InputNode() as batch:
             dag = MultiOutputNode([w.execute_model.bind(batch) for w in self.workers])
         return dag.experimental_compile()
@@ -190,8 +125,6 @@ class RayDistributedExecutor(Executor):
     # -- steps -----------------------------------------------------------------------------------
 
     def execute_model(self, batch: ModelInput) -> torch.Tensor:
-        import ray
-
         if self._dead is not None:
             raise self._dead
         try:
@@ -210,8 +143,6 @@ class RayDistributedExecutor(Executor):
         """Every rank's result of one call, failing as soon as any rank fails (the others may be
         blocked in a collective with it). `reraise` keeps a rank's own exception (start-up errors
         such as a missing weight) instead of turning it into `EngineDeadError`."""
-        import ray
-
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         results, pending = [None] * len(refs), list(refs)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -254,8 +185,6 @@ class RayDistributedExecutor(Executor):
         return self._dead
 
     def _dead_ranks(self, timeout_s: float = 5.0) -> list[int]:
-        import ray
-
         pings = [w.ping.options(concurrency_group="health").remote() for w in self.workers]
         ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
         dead = []
@@ -285,8 +214,6 @@ class RayDistributedExecutor(Executor):
 
     def rank_stats(self, reset: bool = False) -> list[dict]:
         """Per-rank step and collective timings (benchmarks)."""
-        import ray
-
         return ray.get([w.stats.options(concurrency_group="health").remote(reset) for w in self.workers])
 
     def shutdown(self) -> None:
@@ -298,8 +225,6 @@ def _release(owned: dict) -> None:
 
     A healthy group tears its graph down first (a clean stop); a failed one is killed first, since
     a rank blocked in a collective would hold up the teardown."""
-    import ray
-
     if not ray.is_initialized():
         return
     if not owned["failed"]:

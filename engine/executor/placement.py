@@ -10,9 +10,7 @@ never be placed fails at once with a message naming the missing resource instead
 import ray
 from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group
 
-
-class InsufficientResourcesError(RuntimeError):
-    """The cluster (or the placement group handed in) cannot hold the engine's ranks."""
+from engine.errors import InsufficientResourcesError
 
 
 def rank_bundle(cpus_per_rank: float, use_gpu: bool) -> dict[str, float]:

@@ -1,0 +1,39 @@
+"""The engine core on a daemon thread of the serving process (`engine_core: thread`).
+
+The counterpart of `engine/core_proc.py` for ranks that are Ray actors already (and for a
+placement group handed in): the `EngineLoop` steps the engine here, and torch releases the GIL
+inside its kernels. Commands go in on a queue; events go to `on_events` on the engine thread.
+"""
+
+import queue
+import threading
+from collections.abc import Callable
+
+from cluster.config import EngineConfig
+from engine.core_messages import Command, Event, Shutdown
+from engine.engine_loop import EngineLoop, queue_receiver
+from engine.llm_engine import LLMEngine
+
+
+class EngineCoreThread:
+    def __init__(self, config: EngineConfig, placement_group, on_events: Callable[[list[Event]], None]):
+        self.engine = LLMEngine(config, placement_group)
+        self.max_model_len = self.engine.max_model_len
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        loop = EngineLoop(self.engine, queue_receiver(self._commands), on_events)
+        self._thread = threading.Thread(target=loop.run, name="raylane-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, command: Command) -> None:
+        self._commands.put(command)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        self._commands.put(Shutdown())
+        # The finalizer of a dropped AsyncLLM can run on this very thread (in an event callback):
+        # the loop then sees `Shutdown` as soon as that callback returns.
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+        self.engine.shutdown()

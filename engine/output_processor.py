@@ -1,0 +1,176 @@
+"""From sampled tokens to what the user sees: text, stop strings, logprobs, `RequestOutput`s.
+
+vLLM V1's `OutputProcessor`. `LLMEngine` appends each sampled token to its `Request` and checks the
+token-level stops (EOS, stop token ids, lengths); this class does the rest: one incremental
+detokenizer per sample (text and stop strings), the logprob entries, and the `RequestOutput` of a
+user request with its `n` samples, cumulative, as deltas, or only when finished. Unlike vLLM V1 it
+runs in the engine core, beside the scheduler: a stop string found while detokenizing ends the
+request in the same step, so it is never scheduled again.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+from engine.request import Request, RequestStatus
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """The output side of one sample (one engine `Request`)."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer | None  # None: the model has no tokenizer (token ids only)
+    logprobs: SampleLogprobs = field(default_factory=list)
+    sent_text: int = 0  # characters and tokens that DELTA outputs already carried
+    sent_tokens: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class ParentRequest:
+    """A user request: the states of its `n` samples, drawn independently from one prompt."""
+
+    request_id: str
+    prompt: str | None
+    params: SamplingParams
+    samples: list[RequestState]
+    finish_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.status.finished for s in self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer  # None for a checkpoint without one: outputs carry no text
+        self.parents: dict[str, ParentRequest] = {}  # user requests not yet finished
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, samples: list[Request]
+    ):
+        """Start tracking a user request whose `n` samples are `samples` (in index order)."""
+        states = [RequestState(r, self._new_detokenizer(r)) for r in samples]
+        text_prompt = prompt if isinstance(prompt, str) else None
+        self.parents[request_id] = ParentRequest(request_id, text_prompt, params, states)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.parents
+
+    def samples(self, request_id: str) -> list[Request] | None:
+        """The engine requests of a user request, or None when it is not (or no longer) running."""
+        parent = self.parents.get(request_id)
+        return None if parent is None else [s.request for s in parent.samples]
+
+    def _new_detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        params = request.sampling_params
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            request.prompt_token_ids,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+            min_tokens=params.min_tokens,
+        )
+
+    def _state(self, request: Request) -> RequestState:
+        return self.parents[request.parent_id].samples[request.index]
+
+    # -- per token -----------------------------------------------------------------------------
+
+    def process_token(
+        self, request: Request, token_id: int, logprobs, status: RequestStatus | None
+    ) -> RequestStatus | None:
+        """A token was just appended to `request`, and its token-level stop check gave `status`.
+        Record the token's logprobs (`(sampled, top-k pairs)` or None) and text; returns `status`,
+        or FINISHED_STOPPED (with `request.stop_reason` set) when the text now holds a stop string."""
+        state = self._state(request)
+        if logprobs is not None:
+            state.logprobs.append(self._logprob_entry(token_id, logprobs))
+        detok = state.detokenizer
+        # A token that stopped the request (EOS, a stop token id) is not part of the text, as in vLLM.
+        if detok is not None and status != RequestStatus.FINISHED_STOPPED:
+            detok.update([token_id])
+            if detok.stopped_by is not None:
+                request.stop_reason = detok.stopped_by
+                return RequestStatus.FINISHED_STOPPED
+        return status
+
+    def finish_request(self, request: Request) -> None:
+        """`request` ended, whatever the reason: release text held back in case it began a stop string."""
+        detok = self._state(request).detokenizer
+        if detok is not None and detok.stopped_by is None:
+            detok.flush()
+
+    def _logprob_entry(self, token_id: int, logprobs) -> dict[int, Logprob]:
+        sampled, top = logprobs
+        entry = {tid: Logprob(lp) for tid, lp in top}
+        entry[token_id] = Logprob(sampled)
+        if self.tokenizer is not None:
+            for tid, lp in entry.items():
+                lp.decoded_token = self.tokenizer.decode([tid])
+        return entry
+
+    # -- outputs -------------------------------------------------------------------------------
+
+    def make_outputs(self, requests: list[Request]) -> list[RequestOutput]:
+        """One output per user request that `requests` (this step's samples) belong to, in their order."""
+        parent_ids = dict.fromkeys(r.parent_id for r in requests)
+        return [out for request_id in parent_ids if (out := self.make_output(request_id)) is not None]
+
+    def make_output(self, request_id: str) -> RequestOutput | None:
+        """The user request's output now (None for FINAL_ONLY before it finishes); a finished request
+        is forgotten."""
+        parent = self.parents[request_id]
+        kind = parent.params.output_kind
+        finished = parent.finished
+        if finished:
+            del self.parents[request_id]
+            parent.finish_time = time.monotonic()
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        first = parent.samples[0].request
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[_completion(state, delta) for state in parent.samples],
+            finished=finished,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            metrics=_metrics(first, parent.finish_time),
+        )
+
+
+def _completion(state: RequestState, delta: bool) -> CompletionOutput:
+    request, detok = state.request, state.detokenizer
+    text = detok.text if detok is not None else ""
+    tokens = request.output_token_ids
+    logprobs = state.logprobs if request.sampling_params.logprobs is not None else None
+    if delta:
+        text_from, tokens_from = state.sent_text, state.sent_tokens
+        state.sent_text, state.sent_tokens = len(text), len(tokens)
+        text, tokens = text[text_from:], tokens[tokens_from:]
+        logprobs = logprobs[tokens_from:] if logprobs is not None else None
+    return CompletionOutput(
+        index=request.index,
+        text=text,
+        token_ids=list(tokens),
+        logprobs=list(logprobs) if logprobs is not None else None,
+        finish_reason=request.status.finish_reason,
+        stop_reason=request.stop_reason,
+    )
+
+
+def _metrics(first: Request, finish_time: float | None) -> dict:
+    """Timings of the user request, taken from its first sample (all share arrival)."""
+    metrics = {"arrival_time": first.arrival_time, "num_preemptions": first.num_preemptions}
+    if first.first_token_time is not None:
+        metrics["time_to_first_token"] = first.first_token_time - first.arrival_time
+    if finish_time is not None:
+        metrics["e2e_latency"] = finish_time - first.arrival_time
+    return metrics
