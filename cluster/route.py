@@ -2,8 +2,9 @@
 
     raylane route prompts.txt              # one prompt per line, or JSONL with `messages` (or `prompt`)
     echo "prove that 17 is prime" | raylane route
-    raylane route --eval                   # the project's held-out split, then every HumanEval prompt
+    raylane route --eval                   # the held-out prompts and conversations, then HumanEval
     raylane route --eval my-labels.tsv     # TSV `route<TAB>text`
+    raylane route --eval my-chats.jsonl    # JSONL `{"route": ..., "messages": [...]}`
 
 Decisions print as one JSON object per line: route, pool, confidence, method.
 """
@@ -22,8 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         const="builtin",
         metavar="FILE",
-        help="print accuracy per route and a confusion matrix for a TSV `route<TAB>text` "
-        "(default: the project's evaluation split), then HumanEval's prompts (all should be coding)",
+        help="print accuracy per route and a confusion matrix for a TSV `route<TAB>text` or a JSONL of "
+        "labelled conversations (default: the project's held-out prompts, then its held-out "
+        "conversations), then HumanEval's prompts (all should be coding)",
     )
     parser.add_argument("--no-humaneval", action="store_true", help="with --eval: skip the HumanEval check")
     parser.add_argument("--mistakes", action="store_true", help="with --eval: list the misrouted prompts")
@@ -89,13 +91,19 @@ def _messages(line: str) -> list[dict]:
 
 
 def _evaluate(classifier, args: argparse.Namespace) -> int:
-    from router.dataset import EVAL_PATH, read_labelled
-    from router.evaluate import evaluate, humaneval_examples
+    from router.dataset import CONVERSATIONS_EVAL_PATH, EVAL_PATH, read_conversations, read_labelled
+    from router.evaluate import evaluate, evaluate_conversations, humaneval_examples
 
-    path = EVAL_PATH if args.eval == "builtin" else args.eval
-    report = evaluate(classifier, read_labelled(path))
-    print(f"# {path} ({classifier.num_examples} training prompts)")
-    _print_report(report, args.mistakes)
+    paths = [EVAL_PATH, CONVERSATIONS_EVAL_PATH] if args.eval == "builtin" else [args.eval]
+    for number, path in enumerate(paths):
+        if str(path).endswith(".jsonl"):  # conversations: classified from their messages
+            report = evaluate_conversations(classifier, read_conversations(path))
+        else:  # prompts: each one user turn
+            report = evaluate(classifier, read_labelled(path))
+        if number:
+            print()
+        print(f"# {path} ({classifier.num_examples} training examples)")
+        _print_report(report, args.mistakes)
     if args.no_humaneval:
         return 0
     try:

@@ -1,8 +1,10 @@
 """The semantic classifier: which route a conversation belongs to, and how sure it is.
 
-Method: a softmax regression on MiniLM embeddings (router.encoder), trained at start-up on the
-labelled prompts (router/dataset/train.tsv plus each route's `examples`) and on turns that only
-make sense in their conversation (router/dataset/followups.txt, an internal `followup` class).
+Method: a softmax regression on MiniLM embeddings (router.encoder) beside hashed character n-grams
+(router.ngrams: lexical cues that carry across languages, where English-trained MiniLM does not),
+trained at start-up on the labelled prompts (router/dataset/train.tsv plus each route's `examples`)
+and on turns that only make sense in their conversation (router/dataset/followups.txt, an internal
+`followup` class).
 The latest user turn's route scores count in proportion to how self-contained it is; the rest
 comes from its context, the system prompt and earlier user turns, each weighted by the config and
 by how self-contained it is itself. Confidence is the winning route's probability; below
@@ -22,6 +24,7 @@ import numpy as np
 from cluster.config import BUILTIN_DATASET, FOLLOWUP_LABEL, RouterConfig
 from router.dataset import FOLLOWUPS_PATH, TRAIN_PATH, read_labelled, read_lines
 from router.encoder import SentenceEncoder
+from router.ngrams import ngram_features
 from router.softmax import SoftmaxRegression
 
 MIN_CONTEXT_SHARE = 0.02  # below this, a turn's context is not even embedded: it could not change much
@@ -73,7 +76,7 @@ class SemanticClassifier:
         self._rules = {r.name: _compile_rules(r.keywords, r.regex) for r in config.routes}
         self.encoder = encoder or SentenceEncoder(config.max_tokens, config.quantize)
         texts, labels = self._training_set()
-        vectors = training_embeddings(self.encoder, texts)
+        vectors = np.hstack([training_embeddings(self.encoder, texts), ngram_features(texts)])
         self.head = SoftmaxRegression.fit(vectors, labels, num_classes=len(self.routes) + 1)
         self.num_examples = len(texts)
 
@@ -100,7 +103,7 @@ class SemanticClassifier:
     def _route_probabilities(self, conversation: Conversation) -> dict[str, float]:
         """Route -> probability. Without context, a vague latest turn keeps its `followup` share out,
         so its routes' probabilities stay low (and the default route takes it)."""
-        latest = self.head.logits(self.encoder.encode([conversation.latest_user]))[0]
+        latest = self.head.logits(self.features([conversation.latest_user]))[0]
         self_contained = 1.0 - _softmax(latest)[-1]
         context = self._context_logits(conversation) if self_contained < 1.0 - MIN_CONTEXT_SHARE else None
         if context is None:
@@ -118,12 +121,16 @@ class SemanticClassifier:
         parts = [(text, weight) for text, weight in parts if weight > 0]
         if not parts:
             return None
-        logits = self.head.logits(self.encoder.encode([text for text, _ in parts]))
+        logits = self.head.logits(self.features([text for text, _ in parts]))
         # A part that is itself a follow-up ("thanks!") says little about the route.
         weights = np.asarray([weight for _, weight in parts]) * (1.0 - _softmax(logits)[:, -1])
         if weights.sum() <= 1e-6:
             return None
         return weights @ logits[:, :-1] / weights.sum()
+
+    def features(self, texts: list[str]) -> np.ndarray:
+        """What the head reads: the MiniLM embedding, then the character n-grams (both unit length)."""
+        return np.hstack([self.encoder.encode(texts), ngram_features(texts)])
 
     def _rule_match(self, text: str) -> str | None:
         matched = [route for route, rules in self._rules.items() if any(r.search(text) for r in rules)]

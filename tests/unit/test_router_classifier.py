@@ -1,13 +1,22 @@
 """The semantic classifier as a user of `model: "auto"` sees it, and `raylane route`."""
 
 import json
+from collections import Counter
 
 import pytest
 
 from cluster.config import RouterConfig
 from router.classifier import SemanticClassifier
-from router.dataset import EVAL_PATH, FOLLOWUPS_PATH, TRAIN_PATH, read_labelled, read_lines
-from router.evaluate import evaluate, humaneval_examples
+from router.dataset import (
+    CONVERSATIONS_EVAL_PATH,
+    EVAL_PATH,
+    FOLLOWUPS_PATH,
+    TRAIN_PATH,
+    read_conversations,
+    read_labelled,
+    read_lines,
+)
+from router.evaluate import evaluate, evaluate_conversations, humaneval_examples
 
 SYSTEM = {
     "coding": "You are a senior software engineer who reviews Python code and fixes bugs.",
@@ -56,6 +65,30 @@ def test_accuracy_on_held_out_split_is_at_least_95_percent(classifier):
     assert report.accuracy >= 0.95, "\n".join(report.lines())
     for route in ("coding", "reasoning", "chat"):
         assert report.route_accuracy(route) >= 0.9, "\n".join(report.lines())
+
+
+def test_conversation_set_is_balanced_multilingual_and_held_out():
+    conversations = read_conversations(CONVERSATIONS_EVAL_PATH)
+    assert len(conversations) >= 90
+    routes = Counter(c.route for c in conversations)
+    assert set(routes) == {"coding", "reasoning", "chat"} and max(routes.values()) - min(routes.values()) <= 3
+    langs = Counter(c.lang for c in conversations)
+    assert langs["es"] + langs["fr"] >= len(conversations) / 3 and min(langs["es"], langs["fr"]) >= 15
+    roles = [[m["role"] for m in c.messages] for c in conversations]
+    assert sum(r.count("user") > 1 for r in roles) >= 30  # topic shifts and follow-ups
+    assert sum("system" in r for r in roles) >= 15  # personas
+    # Held out: training never sees a turn of these conversations.
+    trained = {text for _, text in read_labelled(TRAIN_PATH)} | set(read_lines(FOLLOWUPS_PATH))
+    assert not {m["content"] for c in conversations for m in c.messages} & trained
+
+
+def test_accuracy_on_held_out_conversations_is_at_least_97_percent(classifier):
+    """Multi-turn topic shifts, persona system prompts, vague follow-ups, Spanish and French: each
+    classified from its messages, as the gateway does for `model: "auto"`."""
+    report = evaluate_conversations(classifier, read_conversations(CONVERSATIONS_EVAL_PATH))
+    assert report.accuracy >= 0.97, "\n".join(report.lines() + [str(m) for m in report.mistakes])
+    for lang in ("en", "es", "fr"):
+        assert report.group_accuracy(lang) >= 0.9, "\n".join(report.lines())
 
 
 def test_every_humaneval_prompt_routes_to_coding(classifier):
@@ -195,3 +228,23 @@ def test_cli_eval_prints_accuracy_and_confusion_matrix(classifier, monkeypatch, 
     assert main(["route", "--eval", str(labelled), "--no-humaneval"]) == 0
     out = capsys.readouterr().out
     assert "accuracy 100.0% (2/2)" in out and "confusion" in out
+
+
+def test_cli_eval_reads_labelled_conversations(classifier, monkeypatch, capsys, tmp_path):
+    from cluster.cli import main
+
+    monkeypatch.setattr("router.classifier.SemanticClassifier", lambda config: classifier)
+    tutor = {"role": "system", "content": SYSTEM["reasoning"]}
+    rows = [
+        {"route": "reasoning", "lang": "en", "messages": [tutor, user("Is there a quicker way?")]},
+        {
+            "route": "chat",
+            "lang": "es",
+            "messages": [user("¿Qué ciudad de Italia me recomiendas visitar en mayo?")],
+        },
+    ]
+    labelled = tmp_path / "chats.jsonl"
+    labelled.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert main(["route", "--eval", str(labelled), "--no-humaneval"]) == 0
+    out = capsys.readouterr().out
+    assert "accuracy 100.0% (2/2)" in out and "lang es" in out and "lang en" in out
