@@ -13,6 +13,7 @@ BENCHMARKS = {
     "speedups": "bench.speedups",
     "pool-settings": "bench.pool_settings",
     "gguf-open": "bench.gguf_open",
+    "grammar-bound": "bench.grammar_bound",
     "overhead": "bench.overhead",
     "report": "bench.report",
 }

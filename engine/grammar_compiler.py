@@ -13,7 +13,7 @@ info and hands the serialized result to the engine in `StructuredOutputParams.co
 engine deserializes (bounded by `MAX_COMPILED_BYTES`) instead of compiling.
 
 The bound: `GRAMMAR_TIMEOUT_S` per check and per compile, on one core of the worker; the text
-itself is at most `structured_output.MAX_GRAMMAR_CHARS`. `python -m engine.grammar_compiler`
+itself is at most `structured_output.MAX_GRAMMAR_CHARS`. `raylane bench grammar-bound`
 measures what a catastrophic grammar costs its caller and what the next grammar pays for a fresh
 worker. Calls wait their turn for the worker, so a client sending many costly grammars at once
 delays the next grammar by up to `GRAMMAR_TIMEOUT_S` per call queued ahead.
@@ -214,41 +214,3 @@ class GrammarCompileService:
     def close(self) -> None:
         if self._worker is not None:
             self._worker.close()
-
-
-def _measure() -> None:
-    """`python -m engine.grammar_compiler`: how long a catastrophic grammar keeps its caller waiting
-    (the bound plus killing the worker) and what the next request pays for a fresh worker."""
-    import json
-    import time
-
-    from cluster.demo_models import load_tokenizer
-    from engine.structured_output import StructuredOutputManager, StructuredOutputParams
-
-    tok = load_tokenizer()
-    info = StructuredOutputManager(tok, len(tok)).tokenizer_info.serialize_json()
-
-    async def fetch() -> str:
-        return info
-
-    async def main() -> None:
-        service = GrammarCompileService(fetch)
-        await service.prepare(StructuredOutputParams(json_object=True))  # the worker is up
-        enum = {"enum": ["x" * 2000 + str(i) for i in range(40)]}
-        cases = {"enum of 40 x 2,000 chars": enum, "small object": {"properties": {"a": {"type": "string"}}}}
-        for name, schema in cases.items():
-            start = time.perf_counter()
-            try:
-                params = StructuredOutputParams(json_schema=json.dumps(schema), whitespace_flexible=False)
-                await service.prepare(params)
-                outcome = "compiled"
-            except GrammarTooComplex as e:
-                outcome = str(e)
-            print(f"{name}: {time.perf_counter() - start:.2f} s ({outcome})")
-        service.close()
-
-    asyncio.run(main())
-
-
-if __name__ == "__main__":
-    _measure()
