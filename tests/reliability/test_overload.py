@@ -20,6 +20,7 @@ as much as the flood (ratios from 1.2x to 2.4x on the same code).
 import asyncio
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -89,8 +90,13 @@ async def free_client(
     http: httpx2.AsyncClient, running: asyncio.Event, stop: asyncio.Event, statuses: list, retry_afters: list
 ):
     headers = {"Authorization": f"Bearer {KEYS['free']}"}
+    started = False
     while not stop.is_set():
-        await running.wait()
+        if not (started and running.is_set()):  # starting, or paused
+            await running.wait()
+            # Independent clients arrive at their own moments, not in step with the test's resume.
+            await asyncio.sleep(random.uniform(0, 2.0))
+            started = True
         response = await http.post("/v1/chat/completions", json=body(48) | {"stream": False}, headers=headers)
         statuses.append(response.status_code)
         if response.status_code == 429:
