@@ -19,7 +19,11 @@ Retry-After is the estimated wait. For a tier that holds its whole share, that i
 slots times how long its own requests hold one: a flood of long sheddable requests is told to come
 back when a slot can be its own, rather than retrying in vain while premium traffic pays for each
 rejection's trip through the proxy and gateway. Otherwise it is rounds of the pool's slots at the
-pool's mean service time.
+pool's mean service time. The clients already told to come back, and not yet due, count as waiting
+ahead (they will return first): forty clients shed from two slots are told to come back over the
+time those slots need to serve them, not all within the next round to be turned away again. Each
+such rejection still costs a trip through Serve's proxy and the gateway, CPU the served requests
+need. Hints are capped at `MAX_RETRY_AFTER_S`, the longest wait OpenAI's SDKs honour.
 """
 
 import asyncio
@@ -33,6 +37,8 @@ from cluster.config import TierConfig
 from router.errors import OverloadedError
 
 SERVICE_TIME_SMOOTHING = 0.2  # weight of the newest request in the pool's mean service time
+MAX_RETRY_AFTER_S = 60.0  # OpenAI's SDKs honour a retry hint up to a minute, then back off on their own
+MAX_RETURNING = 10_000  # shed clients remembered per tier and pool (each for at most a minute)
 
 
 @dataclass(slots=True, order=True)
@@ -59,6 +65,8 @@ class _Pool:
     waiters: list[_Waiter] = field(default_factory=list)  # a heap
     service_s: float | None = None  # smoothed time a request holds a slot
     tier_service_s: dict[str, float] = field(default_factory=dict)  # the same, per tier name
+    # per tier: (priority, heap of when each client it turned away was told to come back)
+    returning: dict[str, tuple[int, list[float]]] = field(default_factory=dict)
 
 
 class Ticket:
@@ -121,7 +129,7 @@ class AdmissionController:
             self._forget(p, waiter)
             raise OverloadedError(
                 f"pool {pool!r} had no free slot within {budget:g}s (tier {tier.name!r})",
-                retry_after=self.estimated_wait(pool, tier),
+                retry_after=self.retry_after(pool, tier),
                 reason="wait_budget",
             ) from None
         except asyncio.CancelledError:
@@ -131,36 +139,53 @@ class AdmissionController:
             raise
         return Ticket(self, pool, tier, self.clock() - start)
 
-    def estimated_wait(self, pool: str, tier: TierConfig) -> float:
-        """Seconds a new request of `tier` would wait for `pool`, from the queue ahead of it."""
+    def estimated_wait(self, pool: str, tier: TierConfig, returning: int = 0) -> float:
+        """Seconds a new request of `tier` would wait for `pool`, from the queue ahead of it (and
+        `returning` requests due back before it)."""
         p = self._pools[pool]
         if self._may_take(p, tier):
             return 0.0
-        ahead = sum(1 for w in p.waiters if w.priority <= tier.priority)
+        ahead = returning + sum(1 for w in p.waiters if w.priority <= tier.priority)
         slots, service = p.capacity, None  # the pool is full: any holder's slot will do
         if p.by_tier.get(tier.name, 0) >= _share(p, tier):  # only its own requests' slots will do
             slots, service = _share(p, tier), p.tier_service_s.get(tier.name)
         rounds = ahead // max(slots, 1) + 1  # slots free up `slots` at a time
         return rounds * (service or p.service_s or 1.0)
 
+    def retry_after(self, pool: str, tier: TierConfig) -> float:
+        """When a request of `tier` turned away from `pool` should come back: the wait with the
+        clients already told to come back (of this tier or one served before it) ahead of it. The
+        answer is remembered as one more client coming back."""
+        p, now = self._pools[pool], self.clock()
+        returning = 0
+        for priority, due in p.returning.values():
+            while due and due[0] <= now:
+                heapq.heappop(due)
+            returning += len(due) if priority <= tier.priority else 0
+        wait = min(self.estimated_wait(pool, tier, returning), MAX_RETRY_AFTER_S)
+        due = p.returning.setdefault(tier.name, (tier.priority, []))[1]
+        if len(due) < MAX_RETURNING:
+            heapq.heappush(due, now + wait)
+        return wait
+
     def _check_can_wait(self, pool: str, p: _Pool, tier: TierConfig, budget: float) -> None:
         same_tier = sum(1 for w in p.waiters if w.tier.name == tier.name)
         if same_tier >= tier.max_queue_depth:
             raise OverloadedError(
                 f"pool {pool!r} is busy and tier {tier.name!r} already has {same_tier} requests waiting",
-                retry_after=self.estimated_wait(pool, tier),
+                retry_after=self.retry_after(pool, tier),
                 reason="queue_depth",
             )
         if p.service_s is not None and self.estimated_wait(pool, tier) > budget:
             raise OverloadedError(
                 f"pool {pool!r} is busy: the wait would exceed tier {tier.name!r}'s {budget:g}s",
-                retry_after=self.estimated_wait(pool, tier),
+                retry_after=self.retry_after(pool, tier),
                 reason="wait_budget",
             )
         if len(p.waiters) >= p.max_waiting and not self._shed_for(pool, p, tier):
             raise OverloadedError(
                 f"pool {pool!r} is busy and its queue is full",
-                retry_after=self.estimated_wait(pool, tier),
+                retry_after=self.retry_after(pool, tier),
                 reason="queue_full",
             )
 
@@ -174,7 +199,7 @@ class AdmissionController:
         victim.future.set_exception(
             OverloadedError(
                 f"pool {pool!r} is busy: request shed for higher-priority traffic",
-                retry_after=self.estimated_wait(pool, victim.tier),
+                retry_after=self.retry_after(pool, victim.tier),
                 reason="shed",
             )
         )

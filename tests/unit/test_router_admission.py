@@ -191,6 +191,42 @@ async def test_retry_after_counts_the_tiers_own_slots_and_service_time():
     assert admission.load("coding") == PoolLoad(in_flight=0, waiting=0, capacity=4)
 
 
+async def test_clients_told_to_come_back_count_ahead_until_they_are_due():
+    """Forty free clients against free's 2 slots, whose requests hold one for 1 s: each client turned
+    away is told to come back after the ones told before it, so the forty are spread over the time
+    those slots need to serve them instead of all returning within seconds to be turned away again.
+    Once their hints have passed, a new client is told a short wait again."""
+    now = [0.0]
+    admission = AdmissionController(clock=lambda: now[0])
+    admission.add_pool("coding", capacity=4, max_waiting=16)
+    half_free = FREE.model_copy(update={"max_pool_share": 0.5, "max_queue_depth": 2})
+    for _ in range(3):
+        ticket = await admission.acquire("coding", half_free)
+        now[0] += 1.0
+        ticket.release()
+    held = [await admission.acquire("coding", half_free) for _ in range(2)]
+    waiting = [asyncio.create_task(admission.acquire("coding", half_free)) for _ in range(2)]
+    await settle()
+
+    async def turned_away() -> float:
+        with pytest.raises(OverloadedError) as excinfo:
+            await admission.acquire("coding", half_free)
+        return excinfo.value.retry_after
+
+    hints = [await turned_away() for _ in range(40)]
+    assert hints[0] == pytest.approx(2.0)  # 2 waiting, 2 slots of 1 s: back in two rounds
+    assert hints == sorted(hints) and hints[-1] == pytest.approx(21.0)  # 41 ahead: 21 rounds
+    premium = await admission.acquire("coding", PREMIUM)  # the other half of the pool is premium's
+    premium.release()
+    now[0] += hints[-1]
+    assert await turned_away() == pytest.approx(2.0)
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    for ticket in held:
+        ticket.release()
+
+
 def test_retry_hints_are_spread_so_shed_clients_do_not_return_together():
     from router.errors import OverloadedError
 
