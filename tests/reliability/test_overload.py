@@ -2,9 +2,9 @@
 
 App: pool `main` takes 4 requests at once (8 may wait); tier `free` is sheddable, may hold 2 of the
 4 slots (max_pool_share 0.5) and wait 1 s; `premium` is served first. Forty free-tier clients
-send requests in a loop and, turned away, wait as OpenAI's SDK does (retry-after-ms, else Retry-After,
-when it is at most a minute; else its own 8 s backoff); premium sends
-one request at a time. Premium's time to first token must stay within 2x of its unloaded value;
+send requests in a loop and, turned away, wait as OpenAI's SDK does (retry-after-ms, else
+Retry-After, when it is at most a minute; else its own 8 s backoff); premium sends one request at a
+time. Premium's time to first token must stay within 2x of its unloaded value;
 free must get 429s with Retry-After; no 5xx; queues and the replicas' memory stay bounded.
 
 The clients run in a process of their own, as a premium application would: after the rest of the
