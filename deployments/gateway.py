@@ -29,7 +29,14 @@ from cluster.config import ClusterConfig
 from deployments.dispatch import Dispatcher, error_response
 from deployments.drain import RETRY_AFTER_S, DrainWatcher
 from deployments.embeddings import create_embeddings
-from deployments.errors import OpenAIError, internal_error, invalid, model_not_found
+from deployments.errors import (
+    OpenAIError,
+    client_error,
+    internal_error,
+    invalid,
+    model_not_found,
+    unavailable,
+)
 from deployments.metrics.gateway import render_cluster_metrics
 from deployments.openai_schemas import (
     ChatCompletion,
@@ -44,10 +51,18 @@ from deployments.openai_schemas import (
 )
 from deployments.openapi import publish, route_docs
 from deployments.pool_health import PoolHealth
-from deployments.request_body import parse_body
+from deployments.request_body import parse_body, read_json_object, validate_body
 from deployments.request_log import RequestLogMiddleware, router_timed
 from deployments.routing import build_router
 from deployments.sampling import chat_params, completion_params, grammar_param
+from deployments.tokenization_schemas import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    tokenize_request_model,
+)
 from engine.grammar_compiler import BoundedWorker, GrammarTimeout
 from router import Principal, RouterError
 
@@ -161,6 +176,24 @@ class Gateway:
         req = await parse_body(request, EmbeddingRequest, self.config.gateway.max_request_body_bytes)
         return await create_embeddings(self.config.embeddings, req)
 
+    @app.post("/tokenize", **route_docs(TokenizeResponse, (TokenizeChatRequest, TokenizeCompletionRequest)))
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: `prompt`, or `messages` through the chat template, counted by the pool
+        that `model` names (its tokenizer, its `max_model_len`)."""
+        principal = self.authenticate(request)
+        self.router.check_rate(principal)
+        data = await read_json_object(request, self.config.gateway.max_request_body_bytes)
+        req = validate_body(data, tokenize_request_model(data))
+        messages = [m.model_dump(exclude_none=True) for m in getattr(req, "messages", [])]
+        return await self.call_pool(req.model, messages, lambda pool: pool.tokenize.remote(req))
+
+    @app.post("/detokenize", **route_docs(DetokenizeResponse, DetokenizeRequest))
+    async def detokenize(self, request: Request) -> Response:
+        principal = self.authenticate(request)
+        self.router.check_rate(principal)
+        req = await parse_body(request, DetokenizeRequest, self.config.gateway.max_request_body_bytes)
+        return await self.call_pool(req.model, [], lambda pool: pool.detokenize.remote(req))
+
     @app.get("/v1/models", **route_docs(ModelList))
     async def list_models(self, request: Request) -> Response:
         self.authenticate(request)
@@ -226,6 +259,20 @@ class Gateway:
                 "regex or grammar (nesting, alternatives, repetition counts).",
                 code="grammar_too_complex",
             ) from None
+
+    async def call_pool(self, model: str, messages: list[dict], call) -> Response:
+        """A request that generates nothing (tokenize): one call to the pool `model` resolves to,
+        whose JSON answer is the response; a client mistake the pool found is its 4xx."""
+        resolution = await router_timed(self.router.resolve_async(model, messages))
+        pool = resolution.pools[0]
+        try:
+            body = await call(self.pools[pool])
+        except Exception as e:
+            if (error := client_error(e)) is not None:
+                raise error from None
+            logger.warning("pool %s failed a %s request: %s", pool, "tokenize", e)
+            raise unavailable(f"The pool {pool} could not answer: {type(e).__name__}.") from None
+        return Response(body, media_type="application/json", headers={"x-raylane-pool": pool})
 
     def model_cards(self) -> list[ModelCard]:
         cards = [ModelCard(id=p.model_id, created=self.created) for p in self.config.pools]

@@ -21,6 +21,8 @@ from deployments.openai_schemas import ChatCompletionRequest, CompletionRequest
 from deployments.sampling import ToolPlan
 from deployments.serving_chat import OpenAIServingChat
 from deployments.serving_completion import OpenAIServingCompletion
+from deployments.serving_tokenization import OpenAIServingTokenization
+from deployments.tokenization_schemas import DetokenizeRequest, TokenizeRequest
 from deployments.wire import PoolItem
 from engine import AsyncLLM, SamplingParams
 from engine.grammar_compiler import GrammarCompileService, tokenizer_info_json
@@ -50,6 +52,7 @@ class ModelPool:
         args = (metered, self.pool.model_id, self.llm.max_model_len, self.grammar)
         self.chat_serving = OpenAIServingChat(*args)
         self.completion_serving = OpenAIServingCompletion(*args)
+        self.tokenization = OpenAIServingTokenization(self.llm.tokenizer, *args[1:3])
 
     async def chat(
         self,
@@ -71,6 +74,14 @@ class ModelPool:
         items = self.completion_serving.completion(request, params, request_id, priority)
         async for item in self._forward(items):
             yield item
+
+    async def tokenize(self, request: TokenizeRequest) -> str:
+        """vLLM's /tokenize with this pool's tokenizer and chat template: the response's JSON; a
+        client mistake raises its `OpenAIError` (the gateway unwraps it)."""
+        return self.tokenization.tokenize(request)
+
+    async def detokenize(self, request: DetokenizeRequest) -> str:
+        return self.tokenization.detokenize(request)
 
     async def _forward(self, items: AsyncIterator[PoolItem]) -> AsyncIterator[PoolItem]:
         self.reporter.start()

@@ -27,9 +27,23 @@ from deployments.openai_schemas import (
     ModelCard,
     ModelList,
 )
+from deployments.tokenization_schemas import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
 
 Mode = Literal["validation", "serialization"]
-REQUESTS = (ChatCompletionRequest, CompletionRequest, EmbeddingRequest)
+REQUESTS = (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    DetokenizeRequest,
+)
 RESPONSES = (
     ChatCompletion,
     ChatCompletionChunk,
@@ -38,6 +52,8 @@ RESPONSES = (
     ModelList,
     ModelCard,
     ErrorResponse,
+    TokenizeResponse,
+    DetokenizeResponse,
 )
 _PAIRS: list[tuple[type[BaseModel], Mode]] = [(m, "validation") for m in REQUESTS] + [
     (m, "serialization") for m in RESPONSES
@@ -72,17 +88,23 @@ def _events(chunk: type[BaseModel]) -> dict[str, Any]:
 
 
 def route_docs(
-    response: type[BaseModel], request: type[BaseModel] | None = None, chunk: type[BaseModel] | None = None
+    response: type[BaseModel],
+    request: type[BaseModel] | tuple[type[BaseModel], ...] | None = None,
+    chunk: type[BaseModel] | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments for `app.post/get`: the request body (required JSON), the 200 body (and the
-    `text/event-stream` of `chunk`s when the route streams) and OpenAI's error body."""
+    """Keyword arguments for `app.post/get`: the request body (required JSON; one of several models
+    when `request` is a tuple), the 200 body (and the `text/event-stream` of `chunk`s when the route
+    streams) and OpenAI's error body."""
     ok = _json(ref(response, "serialization"), "Success")
     if chunk is not None:
         ok["content"]["text/event-stream"] = _events(chunk)
     error = _json(ref(ErrorResponse, "serialization"), "OpenAI's error object naming the problem")
     docs: dict[str, Any] = {"responses": {200: ok, "4XX": error, "5XX": error}}
     if request is not None:
-        body = {"required": True, "content": {"application/json": {"schema": ref(request, "validation")}}}
+        models = request if isinstance(request, tuple) else (request,)
+        schemas = [ref(m, "validation") for m in models]
+        schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        body = {"required": True, "content": {"application/json": {"schema": schema}}}
         docs["openapi_extra"] = {"requestBody": body}
     return docs
 

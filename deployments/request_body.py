@@ -75,7 +75,11 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
 
 async def parse_body(request: Request, model: type[BaseModel], max_bytes: int) -> Any:
     """The body as `model`, or a 4xx naming what is wrong (size and nesting first, then the JSON)."""
-    data = await read_json_object(request, max_bytes)
+    return validate_body(await read_json_object(request, max_bytes), model)
+
+
+def validate_body(data: dict[str, Any], model: type[BaseModel]) -> Any:
+    """A parsed body as `model`, or a 400 naming the first wrong parameter."""
     try:
         return model.model_validate(data)
     except ValidationError as e:

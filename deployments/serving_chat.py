@@ -80,21 +80,9 @@ class OpenAIServingChat(OpenAIServing):
                 yield engine_failure(e, bool(req.stream), [gen])
 
     def render_chat(self, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
-        tokenizer = self.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise invalid("model", f"{self.model_id} has no chat template; use /v1/completions.")
-        messages = [_template_message(m) for m in req.messages]
-        try:
-            text = tokenizer.apply_chat_template(
-                messages,
-                tools=plan.tools if plan.mode != "none" else None,
-                add_generation_prompt=True,
-                tokenize=False,
-                **(req.chat_template_kwargs or {}),
-            )
-        except Exception as e:  # jinja errors, raise_exception() in a template
-            raise invalid("messages", f"The chat template rejected the messages: {e}") from None
-        return encode(tokenizer, text, "messages")
+        tools = plan.tools if plan.mode != "none" else None
+        text = render_messages(self.tokenizer, self.model_id, req.messages, tools, req.chat_template_kwargs)
+        return encode(self.tokenizer, text, "messages")
 
     def _chat_response(
         self, final: RequestOutput, params: SamplingParams, plan: ToolPlan, response_id: str, created: int
@@ -202,6 +190,31 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
         return ChoiceLogprobs(content=content, refusal=None)
+
+
+def render_messages(
+    tokenizer,
+    model_id: str,
+    messages: list,
+    tools: list[dict] | None,
+    template_kwargs: dict | None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> str:
+    """The prompt text of `messages` through the pool's chat template (also what /tokenize counts)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise invalid("model", f"{model_id} has no chat template; use /v1/completions.")
+    try:
+        return tokenizer.apply_chat_template(
+            [_template_message(m) for m in messages],
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **(template_kwargs or {}),
+        )
+    except Exception as e:  # jinja errors, raise_exception() in a template
+        raise invalid("messages", f"The chat template rejected the messages: {e}") from None
 
 
 def _template_message(message) -> dict:
