@@ -1,5 +1,6 @@
 """The project's labelled routing prompts: `train.tsv` (learned at start-up), `eval.tsv` and
-`conversations_eval.jsonl` (held out: only measured).
+`conversations_eval.jsonl` (held out: only measured), `conversations_dev.jsonl` (not trained on either:
+where design choices are measured, so the held-out files stay held out).
 
 Format of the TSV files, one prompt a line: `route<TAB>text`. In `text`, `\\n` is a newline,
 `\\t` a tab and `\\\\` a backslash; any other backslash is literal (so a pasted regex like `\\d+`
@@ -18,6 +19,7 @@ TRAIN_PATH = DATASET_DIR / "train.tsv"
 EVAL_PATH = DATASET_DIR / "eval.tsv"
 FOLLOWUPS_PATH = DATASET_DIR / "followups.txt"  # turns that need their conversation (no route)
 CONVERSATIONS_EVAL_PATH = DATASET_DIR / "conversations_eval.jsonl"
+CONVERSATIONS_DEV_PATH = DATASET_DIR / "conversations_dev.jsonl"
 
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 

@@ -8,6 +8,7 @@ import pytest
 from cluster.config import RouterConfig
 from router.classifier import SemanticClassifier
 from router.dataset import (
+    CONVERSATIONS_DEV_PATH,
     CONVERSATIONS_EVAL_PATH,
     EVAL_PATH,
     FOLLOWUPS_PATH,
@@ -69,7 +70,7 @@ def test_accuracy_on_held_out_split_is_at_least_95_percent(classifier):
 
 def test_conversation_set_is_balanced_multilingual_and_held_out():
     conversations = read_conversations(CONVERSATIONS_EVAL_PATH)
-    assert len(conversations) >= 90
+    assert len(conversations) >= 190
     routes = Counter(c.route for c in conversations)
     assert set(routes) == {"coding", "reasoning", "chat"} and max(routes.values()) - min(routes.values()) <= 3
     langs = Counter(c.lang for c in conversations)
@@ -77,9 +78,10 @@ def test_conversation_set_is_balanced_multilingual_and_held_out():
     roles = [[m["role"] for m in c.messages] for c in conversations]
     assert sum(r.count("user") > 1 for r in roles) >= 30  # topic shifts and follow-ups
     assert sum("system" in r for r in roles) >= 15  # personas
-    # Held out: training never sees a turn of these conversations.
+    # Held out: training never sees a turn of these conversations, nor of the development ones.
     trained = {text for _, text in read_labelled(TRAIN_PATH)} | set(read_lines(FOLLOWUPS_PATH))
-    assert not {m["content"] for c in conversations for m in c.messages} & trained
+    for split in (conversations, read_conversations(CONVERSATIONS_DEV_PATH)):
+        assert not {m["content"] for c in split for m in c.messages if m["role"] == "user"} & trained
 
 
 def _conversation_report(classifier) -> tuple[float, str]:
