@@ -53,6 +53,22 @@ from deployments.openapi import publish, route_docs
 from deployments.pool_health import PoolHealth
 from deployments.request_body import parse_body, read_json_object, validate_body
 from deployments.request_log import RequestLogMiddleware, router_timed
+from deployments.response_store import response_store
+from deployments.responses_api import StoredResponses
+from deployments.responses_request import (
+    check_supported,
+    echo,
+    new_response_id,
+    responses_error,
+    to_chat_request,
+    to_messages,
+)
+from deployments.responses_schemas import (
+    ResponseDeleted,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStreamEvent,
+)
 from deployments.routing import build_router
 from deployments.sampling import chat_params, completion_params, grammar_param
 from deployments.tokenization_schemas import (
@@ -127,6 +143,7 @@ class Gateway:
         self.drain = DrainWatcher(context.app_name, context.replica_id.unique_id)
         self.pool_health = PoolHealth(self.pools, self.router, self.config.gateway.pool_health_period_s)
         self.dispatcher = Dispatcher(self.config, self.router, self.pools, self.pool_health, self.drain)
+        self._stored_responses: StoredResponses | None = None
 
     # -- endpoints --------------------------------------------------------------------------------
 
@@ -193,6 +210,46 @@ class Gateway:
         self.router.check_rate(principal)
         req = await parse_body(request, DetokenizeRequest, self.config.gateway.max_request_body_bytes)
         return await self.call_pool(req.model, [], lambda pool: pool.detokenize.remote(req))
+
+    @app.post("/v1/responses", **route_docs(ResponseObject, ResponsesRequest, ResponseStreamEvent))
+    async def create_response(self, request: Request) -> Response:
+        """OpenAI's Responses API, served as the chat request it maps to (deployments/responses_request.py)
+        by the same router, tiers, admission and fallback; stored for `previous_response_id`."""
+        principal = self.authenticate(request)
+        req = await parse_body(request, ResponsesRequest, self.config.gateway.max_request_body_bytes)
+        check_supported(req)
+        previous = req.previous_response_id
+        history = await self.stored_responses.history(previous, principal) if previous else []
+        chat_req = to_chat_request(req, history)
+        try:
+            params, plan = await self.prepare(chat_params, chat_req)
+        except OpenAIError as e:
+            raise responses_error(e) from None
+        messages = [m.model_dump(exclude_none=True) for m in chat_req.messages]
+        resolution = await router_timed(self.router.resolve_async(req.model, messages))
+        request_id, echoed = uuid.uuid4().hex, echo(req, new_response_id(), previous)
+        response = await self.dispatcher.dispatch(
+            principal,
+            resolution,
+            1,
+            bool(req.stream),
+            request_id,
+            lambda pool, priority, resume=None: pool.responses.remote(
+                chat_req, params, plan, request_id, echoed, priority
+            ),
+        )
+        if req.store is False:
+            return response
+        return await self.stored_responses.keep(response, history + to_messages(req.input), principal)
+
+    @app.get("/v1/responses/{response_id}", **route_docs(ResponseObject))
+    async def retrieve_response(self, response_id: str, request: Request) -> Response:
+        record = await self.stored_responses.record(response_id, self.authenticate(request))
+        return JSONResponse(record["response"])
+
+    @app.delete("/v1/responses/{response_id}", **route_docs(ResponseDeleted))
+    async def delete_response(self, response_id: str, request: Request) -> Response:
+        return await self.stored_responses.delete(response_id, self.authenticate(request))
 
     @app.get("/v1/models", **route_docs(ModelList))
     async def list_models(self, request: Request) -> Response:
@@ -273,6 +330,17 @@ class Gateway:
             logger.warning("pool %s failed a %s request: %s", pool, "tokenize", e)
             raise unavailable(f"The pool {pool} could not answer: {type(e).__name__}.") from None
         return Response(body, media_type="application/json", headers={"x-raylane-pool": pool})
+
+    @property
+    def stored_responses(self) -> StoredResponses:
+        """The app's response store, found (or created) on first use: apps that never serve
+        /v1/responses start no actor."""
+        if self._stored_responses is None:
+            gateway = self.config.gateway
+            app_name = serve.get_replica_context().app_name
+            store = response_store(app_name, gateway.responses_max_stored, gateway.responses_ttl_s)
+            self._stored_responses = StoredResponses(store)
+        return self._stored_responses
 
     def model_cards(self) -> list[ModelCard]:
         cards = [ModelCard(id=p.model_id, created=self.created) for p in self.config.pools]

@@ -21,6 +21,7 @@ from deployments.openai_schemas import ChatCompletionRequest, CompletionRequest
 from deployments.sampling import ToolPlan
 from deployments.serving_chat import OpenAIServingChat
 from deployments.serving_completion import OpenAIServingCompletion
+from deployments.serving_responses import OpenAIServingResponses
 from deployments.serving_tokenization import OpenAIServingTokenization
 from deployments.tokenization_schemas import DetokenizeRequest, TokenizeRequest
 from deployments.wire import PoolItem
@@ -53,6 +54,7 @@ class ModelPool:
         self.chat_serving = OpenAIServingChat(*args)
         self.completion_serving = OpenAIServingCompletion(*args)
         self.tokenization = OpenAIServingTokenization(self.llm.tokenizer, *args[1:3])
+        self.responses_serving = OpenAIServingResponses(self.chat_serving, self.pool.reasoning_parser)
 
     async def chat(
         self,
@@ -72,6 +74,21 @@ class ModelPool:
         self, request: CompletionRequest, params: SamplingParams, request_id: str, priority: int = 0
     ) -> AsyncIterator[PoolItem]:
         items = self.completion_serving.completion(request, params, request_id, priority)
+        async for item in self._forward(items):
+            yield item
+
+    async def responses(
+        self,
+        request: ChatCompletionRequest,
+        params: SamplingParams,
+        plan: ToolPlan,
+        request_id: str,
+        echo: dict,
+        priority: int = 0,
+    ) -> AsyncIterator[PoolItem]:
+        """/v1/responses: the chat request the gateway made of it, answered as a Responses object or
+        its events; `echo` holds the request's fields the response repeats."""
+        items = self.responses_serving.create(request, params, plan, request_id, echo, priority)
         async for item in self._forward(items):
             yield item
 

@@ -27,6 +27,12 @@ from deployments.openai_schemas import (
     ModelCard,
     ModelList,
 )
+from deployments.responses_schemas import (
+    ResponseDeleted,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStreamEvent,
+)
 from deployments.tokenization_schemas import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -43,6 +49,7 @@ REQUESTS = (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
 )
 RESPONSES = (
     ChatCompletion,
@@ -54,6 +61,9 @@ RESPONSES = (
     ErrorResponse,
     TokenizeResponse,
     DetokenizeResponse,
+    ResponseObject,
+    ResponseStreamEvent,
+    ResponseDeleted,
 )
 _PAIRS: list[tuple[type[BaseModel], Mode]] = [(m, "validation") for m in REQUESTS] + [
     (m, "serialization") for m in RESPONSES

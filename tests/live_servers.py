@@ -1,9 +1,9 @@
 """Live apps for integration and reliability tests (fixtures registered in tests/conftest.py).
 
 Serve the OpenAI API once per test session: two small pools (the demo Llama as `chat`, the demo
-Qwen3-MoE as `reasoning`) behind the gateway, on a free local port. Router tests get a second app
-on the same Serve (`router_server`, under /router): API keys, tiers, routes, tiny pool capacities,
-and pools whose failures a test can switch on."""
+Qwen3-MoE as `reasoning`, with the `qwen3` reasoning parser) behind the gateway, on a free local
+port. Router tests get a second app on the same Serve (`router_server`, under /router): API keys,
+tiers, routes, tiny pool capacities, and pools whose failures a test can switch on."""
 
 import contextlib
 import os
@@ -53,7 +53,12 @@ def make_cluster_config(demo_models: dict, port: int):
                     "engine": engine,
                     "max_n": 4,
                 },
-                {"name": "reasoning", "model": str(demo_models["raylane-qwen3-moe-tiny"]), "engine": engine},
+                {
+                    "name": "reasoning",
+                    "model": str(demo_models["raylane-qwen3-moe-tiny"]),
+                    "engine": engine,
+                    "reasoning_parser": "qwen3",  # <think> parsed out (test_reasoning_output.py)
+                },
             ],
         }
     )

@@ -71,6 +71,15 @@ class GatewayConfig(StrictModel):
         description="On shutdown (`raylane serve` stopped), how long requests in flight may finish while "
         "new ones get 503 with Retry-After.",
     )
+    responses_max_stored: int = Field(
+        10_000,
+        ge=1,
+        description="Most responses `/v1/responses` keeps (`store: true`, the default) for "
+        "`previous_response_id`, GET and DELETE; the oldest are dropped first.",
+    )
+    responses_ttl_s: float = Field(
+        3600.0, gt=0, description="How long a stored response is kept, in seconds."
+    )
 
 
 class LogsConfig(StrictModel):

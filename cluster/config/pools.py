@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -73,6 +73,12 @@ class PoolConfig(StrictModel):
         False, description="Reserve one GPU per rank (set on GPU nodes); implied by engine.device: cuda."
     )
     max_n: int = Field(16, ge=1, le=128, description="Largest `n` (choices per request) the pool accepts.")
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
+        None,
+        description="The model's thinking markup (<think>...</think>), parsed out of the answer into "
+        "`reasoning_content` (chat) and a `reasoning` item (Responses): `qwen3` (the output opens "
+        "<think> itself) or `deepseek_r1` (the chat template opens it). Default: none, all text is answer.",
+    )
     max_in_flight: int | None = Field(
         None,
         ge=1,

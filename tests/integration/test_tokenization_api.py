@@ -55,7 +55,7 @@ def test_chat_tokenize_applies_the_template_options(http, tokenizer):
 
 
 def test_prompt_tokenize_and_detokenize_round_trip(http, tokenizer):
-    text = "Zürich 👨‍👩‍👧 {\"a\": [1, 2]}\n  end"
+    text = 'Zürich 👨‍👩‍👧 {"a": [1, 2]}\n  end'
     r = http.post("/tokenize", json={"model": "reasoning", "prompt": text, "return_token_strs": True})
     assert r.status_code == 200, r.text
     body = r.json()

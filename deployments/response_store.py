@@ -1,0 +1,69 @@
+"""Stored responses (`store: true`), so a conversation continues by `previous_response_id`.
+
+The store is one **detached named Ray actor** per app (`ResponseStore`), which every gateway
+replica finds by name. Why an actor and not the gateway's memory: a conversation's next request may
+reach another gateway replica, or a replica Serve started after the first one died, and both must
+find the response; a detached actor outlives any replica (only deleting it, or Ray itself, ends it).
+Why not an external database: raylane runs on Ray alone, and a response is needed for minutes, not
+forever. It is bounded twice: `gateway.responses_max_stored` responses at most (the oldest go first)
+and `gateway.responses_ttl_s` seconds each, so neither a flood of requests nor time grows it without
+end. Records are JSON text: cheap to pickle across the actor call, and what GET returns.
+
+A record holds the response object, the conversation that led to it (chat messages, without its
+instructions) and the API key that made it: another key gets a 404, as if it did not exist.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import ray
+
+NAMESPACE = "raylane"
+
+
+class ResponseStore:
+    def __init__(self, max_entries: int, ttl_s: float) -> None:
+        self.max_entries, self.ttl_s = max_entries, ttl_s
+        self.entries: OrderedDict[str, tuple[float, str]] = OrderedDict()  # id -> (expiry, record JSON)
+
+    def put(self, response_id: str, record: str) -> None:
+        self._expire()
+        self.entries[response_id] = (time.monotonic() + self.ttl_s, record)
+        self.entries.move_to_end(response_id)
+        while len(self.entries) > self.max_entries:
+            self.entries.popitem(last=False)
+
+    def get(self, response_id: str) -> str | None:
+        self._expire()
+        entry = self.entries.get(response_id)
+        return entry[1] if entry is not None else None
+
+    def delete(self, response_id: str) -> bool:
+        return self.entries.pop(response_id, None) is not None
+
+    def size(self) -> int:
+        self._expire()
+        return len(self.entries)
+
+    def _expire(self) -> None:
+        """Entries are in insertion order, with one TTL: the expired ones are at the front."""
+        now = time.monotonic()
+        while self.entries:
+            response_id, (expiry, _) = next(iter(self.entries.items()))
+            if expiry > now:
+                break
+            del self.entries[response_id]
+
+
+def store_name(app_name: str) -> str:
+    return f"raylane-responses-{app_name}"
+
+
+def response_store(app_name: str, max_entries: int, ttl_s: float):
+    """The app's store actor handle, created by the first replica that asks (the others get it)."""
+    actor = ray.remote(num_cpus=0, max_restarts=-1)(ResponseStore)
+    return actor.options(
+        name=store_name(app_name), namespace=NAMESPACE, lifetime="detached", get_if_exists=True
+    ).remote(max_entries, ttl_s)
