@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from cluster.config import EngineConfig
+from engine.memory_profile import DraftReservation, MemoryReport, kv_cache_split
 from models import load_model
 from models.attention import build_attention_metadata
 from models.gguf import checkpoint_dir
@@ -70,24 +71,69 @@ class ModelRunner:
         """Bytes of this rank's weights: parameters (a tied embedding counted once) and packed weights."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters()) + packed_bytes(self.model)
 
-    def available_kv_blocks(self) -> int:
-        """KV blocks this rank can hold: `num_kv_blocks` if set, else what its memory budget allows."""
-        return self.config.num_kv_blocks or self._num_blocks_for_memory()
+    def available_kv_blocks(self, draft: DraftReservation | None = None) -> int:
+        """KV blocks this rank can hold: `num_kv_blocks` if set; on CPU what `kv_cache_memory_gb`
+        holds; on a GPU what is left under `gpu_memory_utilization` after a profiling step (and a
+        `draft` model on the same device), as `engine.memory_profile` computes it."""
+        if self.config.num_kv_blocks:
+            return self.config.num_kv_blocks
+        if self.device.type != "cuda":
+            return max(1, int(self.config.kv_cache_memory_gb * 2**30 // self._block_bytes()))
+        split = kv_cache_split(
+            self.profile_memory(), self.config.gpu_memory_utilization, self._block_bytes(), draft
+        )
+        logger.info("%s", split.describe())
+        return split.num_blocks
 
     def _block_bytes(self) -> int:
         shape = self.model.kv_cache_shape_per_block(self.block_size)
         per_layer = 2 * torch.Size(shape).numel() * torch.tensor([], dtype=self.dtype).element_size()
         return per_layer * self.model.num_layers
 
-    def _num_blocks_for_memory(self) -> int:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - self.config.gpu_memory_utilization) * total
-        else:
-            budget = self.config.kv_cache_memory_gb * 2**30
-        return max(1, int(budget // self._block_bytes()))
+    def profile_memory(self) -> MemoryReport:
+        """The GPU's memory around one profiling step (`profile_run`)."""
+        device = self.device
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        allocated = torch.cuda.memory_allocated(device)
+        profile_kv_bytes = self.profile_run()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        return MemoryReport(total, free, allocated, peak, profile_kv_bytes)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """Forward the largest step the scheduler can make: `max_num_batched_tokens` prompt tokens
+        (as prompts of at most the context length) with logits for up to `max_num_seqs` rows, on a
+        throwaway KV cache just big enough. Returns that cache's bytes (part of the step's peak, not
+        of its activations). `allocate_kv_cache` binds the real cache afterwards."""
+        tokens, block = self.config.max_num_batched_tokens, self.block_size
+        longest = min(self.config.max_model_len or self.hf_config.max_position_embeddings, tokens)
+        lengths = [longest] * (tokens // longest) + ([tokens % longest] if tokens % longest else [])
+        tables, next_block = [], 0
+        for n in lengths:
+            blocks = -(-n // block)
+            tables.append(list(range(next_block, next_block + blocks)))
+            next_block += blocks
+        self.allocate_kv_cache(next_block, log=False)
+        batch = ModelInput(
+            token_ids=[0] * tokens,
+            positions=[p for n in lengths for p in range(n)],
+            block_tables=tables,
+            context_lens=lengths,
+            query_lens=lengths,
+            sample_indices=list(range(min(tokens, self.config.max_num_seqs))),
+        )
+        self.execute_model(batch)
+        self.num_blocks = 0
+        for layer in self.model.attention_layers():
+            layer.bind_kv_cache(None, None)
+        return next_block * self._block_bytes()
+
+    def allocate_kv_cache(self, num_blocks: int, log: bool = True) -> None:
         self.num_blocks = num_blocks
         shape = (self.num_blocks, *self.model.kv_cache_shape_per_block(self.block_size))
         for layer in self.model.attention_layers():
@@ -95,12 +141,13 @@ class ModelRunner:
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
             )
-        logger.info(
-            "KV cache: %d blocks x %d tokens (%.1f MiB)",
-            self.num_blocks,
-            self.block_size,
-            self.num_blocks * self._block_bytes() / 2**20,
-        )
+        if log:
+            logger.info(
+                "KV cache: %d blocks x %d tokens (%.1f MiB)",
+                self.num_blocks,
+                self.block_size,
+                self.num_blocks * self._block_bytes() / 2**20,
+            )
 
     @torch.inference_mode()
     def execute_model(self, batch: ModelInput, compute_logits: bool = True) -> torch.Tensor | None:

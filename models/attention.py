@@ -204,7 +204,8 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    def bind_kv_cache(self, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> None:
+        """The layer's cache blocks; None lets go of a throwaway one (the profiling step's)."""
         self.k_cache, self.v_cache = k_cache, v_cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):

@@ -140,6 +140,43 @@ class FusedMoE(nn.Module):
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         """hidden [N, H], topk_ids/topk_weights [N, k] -> [N, H] summed over all ranks."""
+        if hidden.is_cuda and self.packed_experts is None and grouped_mm_fits(hidden, self.w13, self.w2):
+            out = self._forward_grouped(hidden, topk_ids, topk_weights)
+        else:
+            out = self._forward_per_expert(hidden, topk_ids, topk_weights)
+        return moe_all_reduce(out)
+
+    def _forward_grouped(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """All local experts in two grouped GEMMs, with no host synchronization: the (token, slot)
+        pairs are sorted by expert on the device and the group offsets stay a device tensor, so a
+        CUDA step never waits for the host to learn how many tokens each expert got. Pairs routed to
+        other EP ranks sort last, past the final offset, where grouped_mm leaves rows unwritten;
+        they are dropped by the mask before the scatter back."""
+        n, k = topk_ids.shape
+        local = topk_ids.reshape(-1) - self.expert_start
+        is_local = (local >= 0) & (local < self.num_local_experts)
+        key = torch.where(is_local, local, self.num_local_experts)  # remote pairs after every group
+        order = torch.argsort(key, stable=True)
+        # scatter_add, not bincount: bincount on CUDA reads the largest key back to size its output.
+        counts = torch.zeros(self.num_local_experts + 1, dtype=torch.long, device=key.device)
+        counts.scatter_add_(0, key, torch.ones_like(key))
+        offs = torch.cumsum(counts[: self.num_local_experts], 0).to(torch.int32)
+        token = order // k
+        x = hidden[token]
+        gate_up = F.grouped_mm(x, self.w13.transpose(1, 2), offs=offs)
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = F.grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
+        weight = topk_weights.reshape(-1)[order].to(y.dtype)
+        y = torch.where(is_local[order, None], y * weight[:, None], 0)
+        return torch.zeros_like(hidden).index_add_(0, token, y.to(hidden.dtype))
+
+    def _forward_per_expert(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """One GEMM pair per expert that got tokens: the CPU path (oneDNN-packed experts, and
+        grouped_mm on CPU is a reference loop), where reading the expert ids back costs nothing."""
         out = torch.zeros_like(hidden)
         local_ids = topk_ids - self.expert_start
         is_local = (local_ids >= 0) & (local_ids < self.num_local_experts)
@@ -148,4 +185,12 @@ class FusedMoE(nn.Module):
             gate, up = self._expert_linear(hidden[token_idx], 0, e).chunk(2, dim=-1)
             y = self._expert_linear(F.silu(gate) * up, 1, e) * topk_weights[token_idx, slot, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
-        return moe_all_reduce(out)
+        return out
+
+
+def grouped_mm_fits(hidden: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether `F.grouped_mm` takes these operands: its kernels want 16-byte aligned strides (real
+    checkpoints' sizes are; a tiny test model's may not be) and, on CUDA, bfloat16."""
+    if hidden.is_cuda and hidden.dtype != torch.bfloat16:
+        return False
+    return all(d * t.element_size() % 16 == 0 for t in (hidden, *weights) for d in t.shape[-2:])

@@ -84,6 +84,10 @@ def init_distributed(
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if not dist.is_initialized():
         kwargs = {"timeout": timeout} if timeout is not None else {}
+        if backend == "nccl":
+            # Binds the communicator to this rank's GPU at once (eager init), instead of NCCL guessing
+            # a device at the first collective and every later `new_group` paying its own set-up.
+            kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, **kwargs)
     # Every rank must create every group, in the same order, so all groups are built everywhere.
     ep_rank, tp_rank = rank_layout(rank, tp)

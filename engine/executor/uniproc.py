@@ -10,7 +10,13 @@ from engine.model_runner import ModelInput, ModelRunner
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig):
         self.runner = ModelRunner(config)
-        self.runner.allocate_kv_cache(self.runner.available_kv_blocks())
+        draft = None
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model" and self.runner.device.type == "cuda":
+            from engine.spec_decode.draft_model import draft_reservation
+
+            draft = draft_reservation(config, self.runner.dtype)  # it loads on this GPU after the cache
+        self.runner.allocate_kv_cache(self.runner.available_kv_blocks(draft))
         self.num_blocks = self.runner.num_blocks
         self.hf_config = self.runner.hf_config
 

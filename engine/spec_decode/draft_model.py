@@ -14,10 +14,30 @@ import torch
 
 from cluster.config import EngineConfig
 from engine.block_manager import BlockManager
+from engine.memory_profile import DraftReservation
 from engine.model_runner import ModelInput, ModelRunner
 from engine.request import Request
 from engine.sampler import _draw, _filter
 from engine.spec_decode.proposer import Proposer, can_speculate, max_drafts
+from models.gguf import checkpoint_dir
+
+
+def draft_reservation(config: EngineConfig, dtype: torch.dtype) -> DraftReservation:
+    """The draft model's weight bytes and KV bytes per block, from its config alone (the model is
+    built on the meta device: no memory), so the target's KV cache leaves room for it before the
+    draft loads. Unquantized bytes: a quantized draft takes less, never more."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = AutoConfig.from_pretrained(checkpoint_dir(config.speculative_config.model))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    size = torch.tensor([], dtype=dtype).element_size()
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    return DraftReservation(
+        weight_bytes=sum(p.numel() for p in model.parameters()) * size,
+        block_bytes=2 * hf.num_hidden_layers * config.block_size * kv_heads * head_dim * size,
+    )
 
 
 class DraftModelProposer(Proposer):

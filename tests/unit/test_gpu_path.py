@@ -1,0 +1,107 @@
+"""The GPU path's pieces that run on a CPU: KV-cache sizing after a profiling step, the draft
+model's reservation, and NCCL's device binding. Where a test stands in for the GPU (a made-up memory
+report, a recorded `init_process_group` call) it says so; `bench/gpu_check.sh` runs the real thing on
+a GPU machine."""
+
+import pytest
+import torch
+
+from cluster.config import EngineConfig
+from engine.memory_profile import DraftReservation, GiB, MemoryReport, kv_cache_split
+from engine.model_runner import ModelRunner
+from engine.spec_decode.draft_model import draft_reservation
+from parallel import state
+from tests.hf_models import make_checkpoint
+
+BLOCK = 2 * GiB // 1000  # a made-up KV block of ~2 MiB
+
+
+def report(**overrides) -> MemoryReport:
+    """Made-up numbers of an 80 GiB GPU after a 16 GiB model loaded and a profiling step peaked
+    3 GiB above it (0.5 GiB of which was the profiling step's own small cache)."""
+    values = dict(
+        total_bytes=80 * GiB,
+        free_bytes=62 * GiB,  # 18 GiB in use: the weights, the CUDA context, another process
+        allocated_bytes=16 * GiB,
+        peak_allocated_bytes=int(19.5 * GiB),
+        profile_kv_bytes=GiB // 2,
+    )
+    return MemoryReport(**(values | overrides))
+
+
+def test_kv_cache_leaves_room_for_a_full_steps_activations():
+    split = kv_cache_split(report(), 0.9, BLOCK)
+    assert split.activation_bytes == 3 * GiB  # the peak above the weights, less the throwaway cache
+    used = split.in_use_bytes + split.activation_bytes + split.kv_bytes
+    assert used <= 0.9 * 80 * GiB < used + BLOCK  # the cache fills the budget, one more block would not fit
+    # Sizing from free memory alone (the old way) would have given the activations' 3 GiB to the cache.
+    free_only = int(62 * GiB - 0.1 * 80 * GiB) // BLOCK
+    assert free_only - split.num_blocks == pytest.approx(3 * GiB / BLOCK, abs=1)
+
+
+def test_a_draft_model_on_the_same_gpu_gets_its_weights_and_a_matching_cache():
+    draft = DraftReservation(weight_bytes=2 * GiB, block_bytes=BLOCK // 4)
+    alone, shared = kv_cache_split(report(), 0.9, BLOCK), kv_cache_split(report(), 0.9, BLOCK, draft)
+    assert shared.draft_bytes == 2 * GiB + shared.num_blocks * (BLOCK // 4)
+    total = shared.in_use_bytes + shared.activation_bytes + shared.draft_bytes + shared.kv_bytes
+    assert total <= 0.9 * 80 * GiB
+    assert shared.num_blocks < alone.num_blocks
+
+
+def test_no_room_for_the_cache_is_an_error_naming_the_setting_and_the_split():
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.25 .*activations 3.00"):
+        kv_cache_split(report(), 0.25, BLOCK)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return str(make_checkpoint(tmp_path_factory.mktemp("llama"), "llama"))
+
+
+def test_profile_run_forwards_the_largest_step_and_lets_go_of_its_cache(checkpoint):
+    """The profiling step itself, on CPU: `max_num_batched_tokens` (more than one context's worth,
+    so two prompts) with logits for `max_num_seqs` rows; afterwards the real cache binds and the
+    runner serves a normal step."""
+    config = EngineConfig(model=checkpoint, max_num_batched_tokens=300, max_model_len=256, max_num_seqs=8)
+    runner = ModelRunner(config)
+    profile_kv = runner.profile_run()
+    blocks = -(-256 // config.block_size) + -(-44 // config.block_size)
+    assert profile_kv == blocks * runner._block_bytes()
+    assert all(layer.k_cache is None for layer in runner.model.attention_layers())
+    runner.allocate_kv_cache(runner.available_kv_blocks())
+    assert runner.num_blocks > blocks
+
+
+def test_draft_reservation_matches_what_the_loaded_draft_holds(checkpoint, tmp_path):
+    """The reservation is computed before the draft loads (from its config, on the meta device): it
+    must equal what the draft's runner then holds, weights and KV per block."""
+    draft_path = str(make_checkpoint(tmp_path / "draft", "qwen3", num_hidden_layers=1))
+    spec = dict(method="draft_model", num_speculative_tokens=2, model=draft_path)
+    config = EngineConfig(model=checkpoint, speculative_config=spec, cpu_weight_prepack=False)
+    reservation = draft_reservation(config, torch.float32)
+    draft = ModelRunner(config.model_copy(update=dict(model=draft_path, speculative_config=None)))
+    assert reservation.weight_bytes == draft.weight_bytes()
+    assert reservation.block_bytes == draft._block_bytes()
+
+
+def test_nccl_binds_each_rank_to_its_gpu(monkeypatch):
+    """No GPU here: `init_process_group` is recorded, not run, and the current CUDA device is made up."""
+    calls = []
+
+    class Recorded(Exception):
+        pass
+
+    def record(backend, **kwargs):
+        calls.append((backend, kwargs))
+        raise Recorded
+
+    monkeypatch.setattr(state.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(state.dist, "init_process_group", record)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    with pytest.raises(Recorded):
+        state.init_distributed(0, 2, "tcp://127.0.0.1:1", backend="nccl")
+    with pytest.raises(Recorded):
+        state.init_distributed(0, 2, "tcp://127.0.0.1:1", backend="gloo")
+    (nccl, nccl_kwargs), (gloo, gloo_kwargs) = calls
+    assert nccl == "nccl" and nccl_kwargs["device_id"] == torch.device("cuda", 3)
+    assert gloo == "gloo" and "device_id" not in gloo_kwargs
