@@ -55,6 +55,7 @@ class ModelPool:
         self.completion_serving = OpenAIServingCompletion(*args)
         self.tokenization = OpenAIServingTokenization(self.llm.tokenizer, *args[1:3])
         self.responses_serving = OpenAIServingResponses(self.chat_serving, self.pool.reasoning_parser)
+        self.chat_serving.reasoning_parser = self.pool.reasoning_parser
 
     async def chat(
         self,

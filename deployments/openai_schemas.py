@@ -314,11 +314,16 @@ class PromptTokensDetails(_Response):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(_Response):
+    reasoning_tokens: int = 0
+
+
 class Usage(_Response):
     prompt_tokens: int
     completion_tokens: int = 0
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None  # with a reasoning parser
 
 
 class TopLogprob(_Response):
@@ -360,6 +365,7 @@ class ToolCallDelta(_Response):
 class ChatMessageOut(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # the thinking, with a reasoning parser (vLLM's field)
     refusal: str | None = None
     tool_calls: list[ToolCallOut] | None = None
 
@@ -384,6 +390,7 @@ class ChatCompletion(_Response):
 class ChatDelta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

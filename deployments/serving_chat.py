@@ -18,6 +18,7 @@ from deployments.openai_schemas import (
     ChatDelta,
     ChatMessageOut,
     ChoiceLogprobs,
+    CompletionTokensDetails,
     FunctionCallOut,
     SystemMessage,
     TokenLogprob,
@@ -25,6 +26,7 @@ from deployments.openai_schemas import (
     ToolCallOut,
     TopLogprob,
 )
+from deployments.reasoning_parser import ReasoningParser, reasoning_tokens, split_reasoning
 from deployments.sampling import ToolPlan, grammar_param
 from deployments.serving import (
     OpenAIServing,
@@ -44,6 +46,8 @@ from engine.outputs import CompletionOutput
 
 
 class OpenAIServingChat(OpenAIServing):
+    reasoning_parser: str | None = None  # the pool's `reasoning_parser` (deployments/reasoning_parser.py)
+
     async def chat(
         self,
         req: ChatCompletionRequest,
@@ -89,8 +93,12 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletion:
         choices = []
         for comp in final.outputs:
-            content, calls = parse_tool_calls(comp.text) if plan.parse else (comp.text, [])
+            reasoning, text = self._split_reasoning(comp)
+            content, calls = parse_tool_calls(text) if plan.parse else (text, [])
             message = ChatMessageOut(role="assistant", content=content)
+            if reasoning is not None:
+                message.reasoning_content = reasoning
+                message.content = content or None  # a thinking that never ended left no answer
             if calls:
                 message.tool_calls = [
                     ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
@@ -105,13 +113,26 @@ class OpenAIServingChat(OpenAIServing):
                     finish_reason=finish,
                 )
             )
-        return ChatCompletion(
+        body = ChatCompletion(
             id=response_id,
             created=created,
             model=self.model_id,
             choices=choices,
             usage=usage(len(final.prompt_token_ids), [len(c.token_ids) for c in final.outputs], final),
         )
+        if self.reasoning_parser is not None:
+            thinking = sum(self._split_reasoning(comp, count=True)[0] for comp in final.outputs)
+            body.usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=thinking)
+        return body
+
+    def _split_reasoning(self, comp: CompletionOutput, count: bool = False) -> tuple:
+        """(reasoning or None, answer) of a finished choice; with `count`, (its reasoning tokens, answer)."""
+        if self.reasoning_parser is None:
+            return (0 if count else None), comp.text
+        split, parser = split_reasoning(self.reasoning_parser, comp.text)
+        if count:
+            return reasoning_tokens(parser, self.tokenizer, list(comp.token_ids)), split.content
+        return (split.reasoning if parser.thought else None), split.content
 
     async def _chat_chunks(
         self,
@@ -132,6 +153,10 @@ class OpenAIServingChat(OpenAIServing):
 
         n = params.n
         parsers = [ToolCallStreamParser() if plan.parse else None for _ in range(n)]
+        thinkers = [
+            ReasoningParser(self.reasoning_parser) if self.reasoning_parser else None for _ in range(n)
+        ]
+        output_ids: list[list[int]] = [[] for _ in range(n)]  # for usage's reasoning_tokens
         num_tokens, finished = [0] * n, [False] * n
         events = [chunk(i, ChatDelta(role="assistant", content="")) for i in range(n)]
         async for out in chain(first, gen):
@@ -140,7 +165,8 @@ class OpenAIServingChat(OpenAIServing):
                 if finished[i]:
                     continue
                 num_tokens[i] += len(comp.token_ids)
-                deltas = _chat_deltas(parsers[i], comp)
+                output_ids[i] += comp.token_ids
+                deltas = _chat_deltas(parsers[i], comp, thinkers[i])
                 logprobs = self._chat_logprobs(comp, params)
                 if logprobs is not None and not deltas:
                     deltas = [ChatDelta(content="")]
@@ -164,6 +190,12 @@ class OpenAIServingChat(OpenAIServing):
                 choices=[],
                 usage=usage(len(first.prompt_token_ids), num_tokens, first),
             )
+            if self.reasoning_parser is not None:
+                thinking = sum(
+                    reasoning_tokens(t, self.tokenizer, ids)
+                    for t, ids in zip(thinkers, output_ids, strict=True)
+                )
+                body.usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=thinking)
             events.append(sse(body))
         yield final_item("".join([*events, DONE]), [gen])
 
@@ -226,11 +258,23 @@ def _template_message(message) -> dict:
     return data
 
 
-def _chat_deltas(parser: ToolCallStreamParser | None, comp: CompletionOutput) -> list[ChatDelta]:
+def _chat_deltas(
+    parser: ToolCallStreamParser | None, comp: CompletionOutput, thinker: ReasoningParser | None = None
+) -> list[ChatDelta]:
+    """A choice's next deltas: its thinking (`reasoning_content`, when the pool parses it), then its
+    answer, with tool calls parsed out of the answer."""
+    text, deltas = comp.text, []
+    if thinker is not None:
+        split = thinker.feed(text)
+        if comp.finished:
+            rest = thinker.finish()
+            split.reasoning, split.content = split.reasoning + rest.reasoning, split.content + rest.content
+        if split.reasoning:
+            deltas.append(ChatDelta(reasoning_content=split.reasoning))
+        text = split.content
     if parser is None:
-        return [ChatDelta(content=comp.text)] if comp.text else []
-    events = parser.feed(comp.text) + (parser.finish() if comp.finished else [])
-    deltas = []
+        return deltas + ([ChatDelta(content=text)] if text else [])
+    events = parser.feed(text) + (parser.finish() if comp.finished else [])
     for ev in events:
         if isinstance(ev, ContentDelta):
             deltas.append(ChatDelta(content=ev.text))
