@@ -4,7 +4,9 @@
 response (deployments/wire.py): an `OpenAIError`, a whole JSON response, or the first SSE event of a
 stream, which `relay` then passes on as it comes. A pool that fails before its first item (an error,
 a 503, an outage the health loop found, a prompt longer than its context window) hands the request
-to the next pool of the chain; after the first item nothing is retried. What the client got wrong (a
+to the next pool of the chain. A replica or engine that dies is survived (deployments/resumption.py):
+before the first item the same pool is asked again; after it the stream is resumed where it stood.
+Nothing else is retried after the first item. What the client got wrong (a
 4xx, yielded or raised by the pool) is answered at once: no fallback, no circuit-breaker count. An
 error that may be the request's own is counted against its pool only once another pool has done
 otherwise: the same failure in two pools marks a poisoned request (deployments/pool_failures.py).
@@ -15,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -27,13 +28,12 @@ from deployments.pool_failures import PoolFailure, failure_signature, is_backpre
 from deployments.pool_health import PoolHealth, PoolOutage
 from deployments.relay import SSE_HEADERS, drain_later, relay
 from deployments.request_log import note_summary
+from deployments.resumption import Resumer, StartCall
 from deployments.wire import FinalItem, PoolItem
 from router import DispatchPlan, FallbackReason, Principal, Resolution, Router, RouterError, Slot
 from router.errors import ContextLengthError
 
 logger = logging.getLogger(__name__)
-
-StartCall = Callable[[Any, int], Any]  # (pool handle, priority) -> the pool's streaming call
 
 
 def error_response(error: OpenAIError, headers: dict | None = None) -> JSONResponse:
@@ -88,8 +88,11 @@ class Dispatcher:
             )
         plan = self.router.plan(principal, resolution)
         suspects: list[tuple[Slot, PoolFailure]] = []  # failures not yet counted against their pool
+        resumer = Resumer(
+            self.config, self.pools, self.health, start, plan.priority, request_id, list(resolution.pools)
+        )
         try:
-            return await self._walk(plan, principal, streaming, request_id, start, suspects)
+            return await self._walk(plan, principal, streaming, request_id, start, suspects, resumer)
         finally:
             for suspect, _ in suspects:  # no other pool failed the same way: they were the pools'
                 suspect.blame()
@@ -102,6 +105,7 @@ class Dispatcher:
         request_id: str,
         start: StartCall,
         suspects: list[tuple[Slot, PoolFailure]],
+        resumer: Resumer,
     ) -> Response:
         rejected: OpenAIError | None = None  # a pool's context-length answer, if every pool gives one
         while True:
@@ -113,8 +117,10 @@ class Dispatcher:
                     return error_response(rejected, headers)
                 logger.info("request %s (%s) not served: %s", request_id, principal.key_id, e)
                 return JSONResponse(e.to_openai(), status_code=e.status, headers=headers | e.headers())
-            call = start(self.pools[slot.pool].options(stream=True), plan.priority)
+            call = start(self.pools[slot.pool].options(stream=True), plan.priority, None)
             first = await self.first_item(call, slot, plan)
+            if isinstance(first, PoolFailure) and (again := await resumer.retry(slot.pool, first)):
+                first, call = again  # its replica died before it answered: a live one did
             if isinstance(first, PoolFailure):
                 if first.reason is FallbackReason.SATURATED:
                     continue  # reported already: busy, not broken
@@ -156,7 +162,7 @@ class Dispatcher:
                 self.router.record_usage(principal, tokens)
 
             return StreamingResponse(
-                relay(first, call, slot, on_done),
+                relay(first, call, slot, on_done, resumer),
                 media_type="text/event-stream",
                 headers=headers | SSE_HEADERS,
             )

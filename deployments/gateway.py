@@ -163,7 +163,7 @@ class Gateway:
             req.n,
             bool(req.stream),
             request_id,
-            lambda pool, priority: pool.chat.remote(req, params, tools, request_id, priority),
+            lambda pool, priority, resume: pool.chat.remote(req, params, tools, request_id, priority, resume),
         )
 
     @app.post("/v1/completions", **route_docs(Completion, CompletionRequest, Completion))
@@ -183,7 +183,7 @@ class Gateway:
             req.n,
             bool(req.stream),
             request_id,
-            lambda pool, priority: pool.completions.remote(req, params, request_id, priority),
+            lambda pool, priority, resume: pool.completions.remote(req, params, request_id, priority, resume),
         )
 
     @app.post("/v1/embeddings", **route_docs(EmbeddingResponse, EmbeddingRequest))

@@ -24,7 +24,7 @@ from deployments.serving_completion import OpenAIServingCompletion
 from deployments.serving_responses import OpenAIServingResponses
 from deployments.serving_tokenization import OpenAIServingTokenization
 from deployments.tokenization_schemas import DetokenizeRequest, TokenizeRequest
-from deployments.wire import PoolItem
+from deployments.wire import PoolItem, ResumeState
 from engine import AsyncLLM, SamplingParams
 from engine.grammar_compiler import GrammarCompileService, tokenizer_info_json
 
@@ -64,17 +64,25 @@ class ModelPool:
         plan: ToolPlan,
         request_id: str,
         priority: int = 0,
+        resume: ResumeState | None = None,
     ) -> AsyncIterator[PoolItem]:
         """`priority` is the caller's tier's (lower is served first); the engine schedules by it.
         The response's last item is a `FinalItem` with the request's `RequestSummary` (tokens, TTFT,
-        finish reason) for the request log (deployments/wire.py)."""
-        async for item in self._forward(self.chat_serving.chat(request, params, plan, request_id, priority)):
+        finish reason) for the request log (deployments/wire.py). `resume`: continue a stream that a
+        failed replica began (deployments/resumption.py)."""
+        items = self.chat_serving.chat(request, params, plan, request_id, priority, resume)
+        async for item in self._forward(items):
             yield item
 
     async def completions(
-        self, request: CompletionRequest, params: SamplingParams, request_id: str, priority: int = 0
+        self,
+        request: CompletionRequest,
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        resume: ResumeState | None = None,
     ) -> AsyncIterator[PoolItem]:
-        items = self.completion_serving.completion(request, params, request_id, priority)
+        items = self.completion_serving.completion(request, params, request_id, priority, resume)
         async for item in self._forward(items):
             yield item
 

@@ -70,6 +70,34 @@ def failure_signature(error: BaseException | OpenAIError) -> str | None:
     return f"{type(cause).__name__}: {cause}"[:300]
 
 
+def resumption_reason(failure: BaseException | OpenAIError | PoolFailure) -> str | None:
+    """Why a request may be resumed on another replica after `failure` (a pool call's exception, the
+    error it yielded, or a failure before its first item), or None when it may not: only the pool's
+    health qualifies (a replica or its node died, its engine died, no replica answers); anything that
+    may be the request's own doing would only fail again, and a client error is the client's."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    if isinstance(failure, PoolFailure):
+        if failure.signature is not None or failure.reason is FallbackReason.SATURATED:
+            return None
+        if failure.reason is FallbackReason.UNHEALTHY:
+            return "unavailable"
+        failure = failure.error
+    if isinstance(failure, OpenAIError):  # a pool answers 503 only when its engine has died
+        return "engine_dead" if failure.status == 503 and failure.code == "service_unavailable" else None
+    cause = cause_of(failure)
+    if isinstance(cause, EngineDeadError):
+        return "engine_dead"
+    if isinstance(cause, ActorUnavailableError):  # a RayActorError too: what a killed replica gives
+        return "replica_unavailable"
+    if isinstance(cause, ActorDiedError | RayActorError):
+        return "replica_died"
+    if isinstance(cause, DeploymentUnavailableError):
+        return "unavailable"
+    return None
+
+
 def poisoned(first: PoolFailure, second: PoolFailure) -> OpenAIError:
     return internal_error(
         f"The request failed the same way in pools {first.pool!r} and {second.pool!r} "

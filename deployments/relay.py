@@ -3,63 +3,101 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 
+from deployments.errors import OpenAIError
 from deployments.pool_failures import pool_failure
 from deployments.request_log import note_summary
-from deployments.wire import FinalItem, RequestSummary, is_error_event, sse_error
+from deployments.resumption import Resumer
+from deployments.wire import FinalItem, PoolItem, RequestSummary, StreamItem, is_error_event, sse_error
+from engine import EngineDeadError
 from router import Slot
 
+logger = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def relay(
-    first: str | FinalItem, call, slot: Slot | None = None, on_done: Callable[[int], None] | None = None
+    first: PoolItem,
+    call,
+    slot: Slot | None = None,
+    on_done: Callable[[int], None] | None = None,
+    resumer: Resumer | None = None,
+    pool: str | None = None,
 ) -> AsyncIterator[str]:
-    """Relay a pool's SSE events; a failure mid-stream becomes an error event (the SDK raises it).
-    The response ends with the pool's `FinalItem` (the rest of the pool's stream is read in the
-    background). The pool's slot is released when the stream ends, as failed if an error event ended
-    it; `on_done(tokens)` then counts usage: the pool's summary when it came (an event may carry
-    several tokens), else the events relayed."""
+    """Relay a pool's SSE events. The response ends with the pool's `FinalItem` (the rest of the
+    pool's stream is read in the background). A failure of the pool's health mid-stream (the replica
+    died, its engine died) resumes the stream elsewhere (`resumer`, deployments/resumption.py): the
+    client sees one unbroken stream. Any other failure, or one past the resumption limit, becomes an
+    error event (the SDK raises it). The pool's slot is released when the stream ends, as failed if an
+    error event ended it; `on_done(tokens)` then counts usage: the pool's summary when it came (an
+    event may carry several tokens; a resumed stream adds the tokens sent before), else the events."""
     finished, failed, events, tokens = False, False, 0, None
+    pool = pool or getattr(slot, "pool", None)
+    item: PoolItem | None = first
     try:
-        chunk = first
-        if not isinstance(first, FinalItem):
-            yield first
-            async for chunk in call:
-                if isinstance(chunk, FinalItem):
-                    break
-                if not isinstance(chunk, str):
-                    failed, chunk = True, sse_error(pool_failure(chunk))
-                elif is_error_event(chunk):
-                    failed = True
-                events += 1
-                yield chunk
-        if isinstance(chunk, FinalItem):
-            tokens = _note(chunk.summary)
-            failed = failed or is_error_event(chunk.item)  # the engine's failure ended the stream
-            events += 1
-            yield chunk.item
-            drain_later(call)
+        while True:
+            failure: object = None  # what ended this pool call early, if anything did
+            try:
+                while item is not None:
+                    if isinstance(item, FinalItem):
+                        if item.engine_failed and resumer is not None and resumer.state is not None:
+                            failure = EngineDeadError(item.item)
+                            break
+                        tokens = _note(item.summary, resumer)
+                        failed = failed or is_error_event(item.item)  # the engine's failure ended it
+                        events += 1
+                        yield item.item
+                        drain_later(call)
+                        break
+                    if isinstance(item, StreamItem):
+                        if resumer is not None:
+                            resumer.track(item)
+                        text = item.text
+                    elif isinstance(item, str):
+                        text = item
+                    else:  # an error item mid-stream
+                        failure = item
+                        break
+                    failed = failed or is_error_event(text)
+                    events += 1
+                    yield text
+                    item = await anext(call, None)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                failure = e
+            if failure is None:
+                break
+            call.cancel()
+            logger.warning("pool %s failed mid-stream: %r", pool, failure)
+            resumed = await resumer.resume(pool, failure) if resumer is not None and pool else None
+            if resumed is None:
+                failed = True
+                error = failure if isinstance(failure, OpenAIError) else pool_failure(failure)
+                yield sse_error(error)
+                break
+            item, call = resumed
         finished = True
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:
-        finished = failed = True
-        yield sse_error(pool_failure(e))
     finally:
         if not finished:  # the client went away: stop generating
             call.cancel()
-        if slot is not None:  # after the first token: no retry, only the breaker learns of a failure
+        if slot is not None:  # only the breaker learns of a failure the stream could not survive
             slot.failed() if failed else slot.succeeded()
         if on_done is not None:
             on_done(events if tokens is None else tokens)
 
 
-def _note(summary: RequestSummary | None) -> int | None:
-    """Add the pool's summary to the request log; the request's tokens, if it came."""
+def _note(summary: RequestSummary | None, resumer: Resumer | None) -> int | None:
+    """Add the pool's summary to the request log; the request's tokens, if it came. A resumed stream's
+    last pool counted only what it generated: the tokens sent before are added."""
     if summary is None:
         return None
+    if resumer is not None and resumer.tokens_before:
+        summary.completion_tokens += resumer.tokens_before
+        # Its cache hits may cover the output it was resumed after: only the prompt's count.
+        summary.cached_tokens = min(summary.cached_tokens, summary.prompt_tokens)
     note_summary(summary)
     return summary.prompt_tokens + summary.completion_tokens
 

@@ -61,6 +61,7 @@ class RequestRecord:
     ttft_s: float | None = None
     finish_reason: str | None = None
     router_latency_s: float | None = None  # set by the gateway where it times the router
+    resumptions: list[tuple[str, str]] = field(default_factory=list)  # (pool, reason) per resumption
     latency_s: float | None = None
     prompt: Any = None  # only with RAYLANE_LOG_PROMPTS
 
@@ -98,6 +99,8 @@ class RequestRecord:
         }
         if self.error_code:
             fields["error_code"] = self.error_code
+        if self.resumptions:
+            fields["resumptions"] = [{"pool": pool, "reason": reason} for pool, reason in self.resumptions]
         if include_prompt and self.prompt is not None:
             fields["prompt"] = self.prompt
         return json.dumps(fields, separators=(",", ":"), default=str)
@@ -122,6 +125,13 @@ def note_summary(summary: RequestSummary) -> None:
     record.cached_tokens = (record.cached_tokens or 0) + summary.cached_tokens
     record.ttft_s = summary.ttft_s
     record.finish_reason = summary.finish_reason
+
+
+def note_resumption(pool: str, reason: str) -> None:
+    """The current request was resumed on `pool` after its replica failed (`reason`)."""
+    record = _current.get()
+    if record is not None:
+        record.resumptions.append((pool, reason))
 
 
 def log_prompts_enabled() -> bool:

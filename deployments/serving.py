@@ -14,9 +14,10 @@ from collections.abc import AsyncIterator, Iterable
 
 from deployments.errors import OpenAIError, from_engine_value_error, invalid, unavailable
 from deployments.openai_schemas import PromptTokensDetails, Usage
-from deployments.wire import FinalItem, RequestSummary, sse_error
-from engine import AsyncLLM, EngineDeadError, RequestOutput, SamplingParams
+from deployments.wire import FinalItem, RequestSummary, ResumeState, sse_error
+from engine import AsyncLLM, EngineDeadError, RequestOutput, Resumption, SamplingParams
 from engine.grammar_compiler import GrammarCompileService, GrammarTooComplex
+from engine.output_processor import resumed_text
 
 
 def sse(payload) -> str:
@@ -66,12 +67,31 @@ class OpenAIServing:
             code = "grammar_too_complex" if isinstance(e, GrammarTooComplex) else "invalid_value"
             raise invalid(param, f"Invalid '{param}': {str(e).split(': ', 1)[-1]}", code) from None
 
+    def resumed_texts(
+        self, prompt_ids: list[int], params: SamplingParams, resume: ResumeState | None, choices: range
+    ) -> dict[int, str]:
+        """The text each choice (of `choices`, one prompt's) of a resumed stream had sent, decoded as
+        the engine does it, for rebuilding what the serving layer derived from that text."""
+        if resume is None or self.tokenizer is None:
+            return {}
+        return {
+            i: resumed_text(self.tokenizer, prompt_ids, params, ids)
+            for i, ids in resume.token_ids.items()
+            if i in choices
+        }
+
     async def _start(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str, param: str, priority: int = 0
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        param: str,
+        priority: int = 0,
+        resume: Resumption | None = None,
     ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
         """Add the request and wait for its first output, so that a rejected request becomes an
-        error before anything is sent."""
-        gen = self.llm.generate(prompt_ids, params, request_id=request_id, priority=priority)
+        error before anything is sent. `resume`: the output a failed replica had sent already."""
+        gen = self.llm.generate(prompt_ids, params, request_id=request_id, priority=priority, resume=resume)
         try:
             first = await gen.__anext__()
         except ValueError as e:
@@ -79,6 +99,18 @@ class OpenAIServing:
         except EngineDeadError as e:
             raise unavailable(f"The model pool's engine failed: {e}") from None
         return first, gen
+
+
+def engine_resumption(resume: ResumeState | None, n: int, first_index: int = 0) -> Resumption | None:
+    """The engine's view of a resumed stream's choices `first_index .. first_index + n - 1` (one
+    prompt's samples)."""
+    if resume is None:
+        return None
+    indexes = range(first_index, first_index + n)
+    return Resumption(
+        token_ids=tuple(tuple(resume.token_ids.get(i, ())) for i in indexes),
+        finish_reasons=tuple(resume.finish_reasons.get(i) for i in indexes),
+    )
 
 
 def final_item(text: str, streams: Iterable[AsyncIterator[RequestOutput]]) -> FinalItem:
@@ -104,7 +136,11 @@ def engine_failure(
     """The engine died mid-request: a 503, or in a stream that already started, the error event
     that ends it (with what was generated until then)."""
     failure = unavailable(f"The model pool's engine failed: {error}")
-    return final_item(sse_error(failure), streams) if streaming else failure
+    if not streaming:
+        return failure
+    item = final_item(sse_error(failure), streams)
+    item.engine_failed = True  # the gateway may resume the stream on another replica
+    return item
 
 
 def token_text(decoded: str | None) -> str:
@@ -117,7 +153,8 @@ def usage(prompt_tokens: int, completion_tokens: list[int], output: RequestOutpu
         prompt_tokens=prompt_tokens,
         completion_tokens=completion,
         total_tokens=prompt_tokens + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens),
+        # A resumed request's cache hits may cover its earlier output too; only the prompt's count.
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=min(output.num_cached_tokens, prompt_tokens)),
     )
 
 

@@ -33,6 +33,7 @@ from deployments.serving import (
     chain,
     encode,
     engine_failure,
+    engine_resumption,
     final_item,
     last,
     sse,
@@ -40,7 +41,7 @@ from deployments.serving import (
     usage,
 )
 from deployments.tool_calls import ContentDelta, ToolCallStreamParser, parse_tool_calls
-from deployments.wire import DONE, PoolItem
+from deployments.wire import DONE, PoolItem, ResumeState, StreamItem
 from engine import EngineDeadError, RequestOutput, RequestOutputKind, SamplingParams
 from engine.outputs import CompletionOutput
 
@@ -55,7 +56,9 @@ class OpenAIServingChat(OpenAIServing):
         plan: ToolPlan,
         request_id: str,
         priority: int = 0,
+        resume: ResumeState | None = None,
     ) -> AsyncIterator[PoolItem]:
+        """`resume`: continue a stream that a failed replica began (deployments/wire.py)."""
         try:
             prompt_ids = self.render_chat(req, plan)
             # Name the limit as the client did (max_completion_tokens wins when both are set).
@@ -64,11 +67,15 @@ class OpenAIServingChat(OpenAIServing):
             kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
             engine_params = params.clone(output_kind=kind)
             await self._compile(engine_params, grammar_param(req))
-            first, gen = await self._start(prompt_ids, engine_params, request_id, "messages", priority)
+            resumed = engine_resumption(resume, params.n)
+            first, gen = await self._start(
+                prompt_ids, engine_params, request_id, "messages", priority, resumed
+            )
         except OpenAIError as e:
             yield e
             return
-        response_id, created = f"chatcmpl-{request_id}", int(time.time())
+        response_id = f"chatcmpl-{request_id}"
+        created = resume.created if resume is not None else int(time.time())
         async with aclosing(gen):
             try:
                 if not req.stream:
@@ -77,7 +84,10 @@ class OpenAIServingChat(OpenAIServing):
                     yield final_item(body, [gen])
                     return
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                chunks = self._chat_chunks(first, gen, params, plan, response_id, created, include_usage)
+                shown = self.resumed_texts(prompt_ids, engine_params, resume, range(params.n))
+                chunks = self._chat_chunks(
+                    first, gen, params, plan, response_id, created, include_usage, resume, shown
+                )
                 async for chunk in chunks:
                     yield chunk
             except EngineDeadError as e:
@@ -143,7 +153,14 @@ class OpenAIServingChat(OpenAIServing):
         response_id: str,
         created: int,
         include_usage: bool,
+        resume: ResumeState | None = None,
+        shown: dict[int, str] | None = None,
     ) -> AsyncIterator[PoolItem]:
+        """Each item carries the token ids whose text it holds (`StreamItem`). A resumed stream
+        (`resume`, with `shown` the text each unfinished choice had sent) sends no role chunks again;
+        its tool-call parsers are rebuilt by feeding them that text and dropping what they say, so call
+        indexes and held-back markup carry on; its usage counts the tokens sent before too."""
+
         def chunk(index: int, delta: ChatDelta, logprobs=None, finish_reason=None) -> str:
             choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
             body = ChatCompletionChunk(id=response_id, created=created, model=self.model_id, choices=[choice])
@@ -159,6 +176,14 @@ class OpenAIServingChat(OpenAIServing):
         output_ids: list[list[int]] = [[] for _ in range(n)]  # for usage's reasoning_tokens
         num_tokens, finished = [0] * n, [False] * n
         events = [chunk(i, ChatDelta(role="assistant", content="")) for i in range(n)]
+        if resume is not None:  # replay what was sent through the same parsing, dropping its deltas
+            events = []
+            for i in range(n):
+                sent = resume.token_ids.get(i, [])
+                num_tokens[i], finished[i] = len(sent), i in resume.finish_reasons
+                output_ids[i] += sent
+                _chat_deltas(parsers[i], CompletionOutput(i, (shown or {}).get(i, ""), sent), thinkers[i])
+        item = StreamItem("")
         async for out in chain(first, gen):
             for comp in out.outputs:
                 i = comp.index
@@ -166,6 +191,7 @@ class OpenAIServingChat(OpenAIServing):
                     continue
                 num_tokens[i] += len(comp.token_ids)
                 output_ids[i] += comp.token_ids
+                item.token_ids.setdefault(i, []).extend(comp.token_ids)
                 deltas = _chat_deltas(parsers[i], comp, thinkers[i])
                 logprobs = self._chat_logprobs(comp, params)
                 if logprobs is not None and not deltas:
@@ -174,14 +200,16 @@ class OpenAIServingChat(OpenAIServing):
                     events.append(chunk(i, delta, logprobs if j == 0 else None))
                 if comp.finished:
                     finished[i] = True
+                    item.finish_reasons[i] = comp.finish_reason
                     calls = parsers[i] is not None and parsers[i].num_calls > 0
                     reason = (
                         plan.finish_reason if calls and comp.finish_reason == "stop" else comp.finish_reason
                     )
                     events.append(chunk(i, ChatDelta(), finish_reason=reason))
             if events and not all(finished):  # the last events go out with the closing ones
-                yield "".join(events)
-                events = []
+                item.text = "".join(events)
+                yield item
+                events, item = [], StreamItem("")
         if include_usage:
             body = ChatCompletionChunk(
                 id=response_id,

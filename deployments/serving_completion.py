@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 from deployments.errors import OpenAIError, invalid
 from deployments.openai_schemas import (
@@ -21,13 +22,14 @@ from deployments.serving import (
     chain,
     encode,
     engine_failure,
+    engine_resumption,
     final_item,
     last,
     sse,
     token_text,
     usage,
 )
-from deployments.wire import DONE, PoolItem
+from deployments.wire import DONE, PoolItem, ResumeState, StreamItem
 from engine import EngineDeadError, RequestOutput, RequestOutputKind, SamplingParams
 from engine.outputs import CompletionOutput
 
@@ -36,24 +38,37 @@ Started = list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]  # (first out
 
 class OpenAIServingCompletion(OpenAIServing):
     async def completion(
-        self, req: CompletionRequest, params: SamplingParams, request_id: str, priority: int = 0
+        self,
+        req: CompletionRequest,
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        resume: ResumeState | None = None,
     ) -> AsyncIterator[PoolItem]:
+        """`resume`: continue a stream that a failed replica began (deployments/wire.py); a prompt
+        whose choices had all ended is not run again."""
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         params = params.clone(output_kind=kind)
         started: Started = []
+        n = params.n
         try:
             prompts = [self._prompt_ids(p) for p in req.prompts()]
             for ids in prompts:
                 self.check_length(len(ids), params.max_tokens, "prompt")
             await self._compile(params, grammar_param(req))
-            for k, ids in enumerate(prompts):
-                started.append(await self._start(ids, params, f"{request_id}-{k}", "prompt", priority))
+            running = [k for k in range(len(prompts)) if not _ended(resume, range(k * n, (k + 1) * n))]
+            for k in running:
+                resumed = engine_resumption(resume, n, k * n)
+                started.append(
+                    await self._start(prompts[k], params, f"{request_id}-{k}", "prompt", priority, resumed)
+                )
         except OpenAIError as e:
             for _, gen in started:
                 await gen.aclose()
             yield e
             return
-        response_id, created = f"cmpl-{request_id}", int(time.time())
+        response_id = f"cmpl-{request_id}"
+        created = resume.created if resume is not None else int(time.time())
         echoes = [self._prompt_text(p) if req.echo else "" for p in req.prompts()]
         streams = [gen for _, gen in started]
         try:
@@ -63,8 +78,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield final_item(body, streams)
                 return
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            shown = {}
+            for k in running:
+                shown |= self.resumed_texts(prompts[k], params, resume, range(k * n, (k + 1) * n))
+            resumed = Resumed(resume, shown, running, sum(len(ids) for ids in prompts))
             async for chunk in self._completion_chunks(
-                started, echoes, params, response_id, created, include_usage
+                started, echoes, params, response_id, created, include_usage, resumed
             ):
                 yield chunk
         except EngineDeadError as e:
@@ -124,7 +143,12 @@ class OpenAIServingCompletion(OpenAIServing):
         response_id: str,
         created: int,
         include_usage: bool,
+        resumed: Resumed | None = None,
     ) -> AsyncIterator[PoolItem]:
+        """Each item carries the token ids whose text it holds (`StreamItem`). A resumed stream sends
+        no echo again, its logprobs' text offsets carry on after the text sent before, and its usage
+        counts the tokens sent before too."""
+
         def chunk(index: int, text: str, logprobs=None, finish_reason=None) -> str:
             choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
             body = Completion(id=response_id, created=created, model=self.model_id, choices=[choice])
@@ -133,27 +157,41 @@ class OpenAIServingCompletion(OpenAIServing):
             return sse(body)
 
         n = params.n
-        offsets = [len(echoes[k]) for k in range(len(started)) for _ in range(n)]
+        offsets = [len(echoes[k]) for k in range(len(echoes)) for _ in range(n)]
         num_tokens, finished = [0] * len(offsets), [False] * len(offsets)
         events = [chunk(k * n + j, echo) for k, echo in enumerate(echoes) for j in range(n if echo else 0)]
-        async for k, out in _merge([chain(first, gen) for first, gen in started]):
+        prompts = list(range(len(started)))  # the prompt of each started engine request
+        if resumed is not None and resumed.state is not None:
+            events, prompts, state = [], resumed.running, resumed.state
+            for index in range(len(offsets)):
+                num_tokens[index] = len(state.token_ids.get(index, ()))
+                finished[index] = index in state.finish_reasons
+                offsets[index] += len(resumed.shown.get(index, ""))
+        item = StreamItem("")
+        async for position, out in _merge([chain(first, gen) for first, gen in started]):
+            k = prompts[position]
             for comp in out.outputs:
                 index = k * n + comp.index
                 if finished[index]:
                     continue
                 num_tokens[index] += len(comp.token_ids)
+                item.token_ids.setdefault(index, []).extend(comp.token_ids)
                 logprobs = _completion_logprobs(comp, params, offsets[index])
                 if comp.text or logprobs is not None:
                     events.append(chunk(index, comp.text, logprobs))
                     offsets[index] += len(comp.text)
                 if comp.finished:
                     finished[index] = True
+                    item.finish_reasons[index] = comp.finish_reason
                     events.append(chunk(index, "", finish_reason=comp.finish_reason))
             if events and not all(finished):  # the last events go out with the closing ones
-                yield "".join(events)
-                events = []
+                item.text = "".join(events)
+                yield item
+                events, item = [], StreamItem("")
         if include_usage:
             prompt_tokens = sum(len(first.prompt_token_ids) for first, _ in started)
+            if resumed is not None:  # prompts whose choices had all ended are not started again
+                prompt_tokens = resumed.prompt_tokens
             body = Completion(
                 id=response_id,
                 created=created,
@@ -163,6 +201,22 @@ class OpenAIServingCompletion(OpenAIServing):
             )
             events.append(sse(body))
         yield final_item("".join([*events, DONE]), [gen for _, gen in started])
+
+
+@dataclass(slots=True)
+class Resumed:
+    """A completions stream resumed after a failed replica: `state` as the gateway sent it, the text
+    each unfinished choice had sent, the prompts started again (the others had ended), and the
+    request's prompt tokens."""
+
+    state: ResumeState | None
+    shown: dict[int, str]
+    running: list[int]
+    prompt_tokens: int
+
+
+def _ended(resume: ResumeState | None, choices: range) -> bool:
+    return resume is not None and all(i in resume.finish_reasons for i in choices)
 
 
 def _completion_logprobs(

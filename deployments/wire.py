@@ -9,6 +9,10 @@ or the error event that ends a stream the engine's failure cut) together with th
 without waiting for another one or for the end of the pool's stream.
 
 The SSE text is made in the pool, so the gateway relays it as it is (one message per engine output).
+A stream's items other than the last are `StreamItem`s: the text with the token ids it carries, per
+choice, which never reach the client. With them the gateway can resume a stream whose replica died
+(deployments/resumption.py): it calls the pool again with a `ResumeState`, and the continuation
+prefills the prompt plus those tokens and sends only what comes after them.
 """
 
 from __future__ import annotations
@@ -56,9 +60,40 @@ class FinalItem:
 
     item: str
     summary: RequestSummary | None = None
+    engine_failed: bool = False  # the engine died: `item` is the error event; the stream may resume
 
 
-PoolItem = str | OpenAIError | FinalItem
+@dataclass(slots=True)
+class StreamItem:
+    """SSE text of a stream and what it carries, per choice index: the generated token ids whose text
+    it holds and, for a choice that ended in it, the finish reason."""
+
+    text: str
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ResumeState:
+    """Where a stream stood when its replica failed, for the pool that continues it: per choice index,
+    the token ids whose text the client has and the finish reason of a choice that had ended; the
+    response's `created` (its `id` comes from the request id, which stays the same)."""
+
+    created: int
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+
+    def add(self, item: StreamItem) -> None:
+        for index, ids in item.token_ids.items():
+            self.token_ids.setdefault(index, []).extend(ids)
+        self.finish_reasons.update(item.finish_reasons)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(ids) for ids in self.token_ids.values())
+
+
+PoolItem = str | OpenAIError | FinalItem | StreamItem
 
 
 def sse_error(error: OpenAIError) -> str:

@@ -6,6 +6,7 @@ from engine.errors import EngineDeadError, InsufficientResourcesError
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.request import Resumption
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "SamplingParams",
     "RequestOutput",
     "RequestOutputKind",
+    "Resumption",
     "CompletionOutput",
     "Logprob",
 ]

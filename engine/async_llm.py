@@ -37,6 +37,7 @@ from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.output_collector import RequestOutputCollector
 from engine.outputs import RequestOutput
+from engine.request import Resumption
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.tokenizer import load_tokenizer
 
@@ -83,17 +84,19 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         on_abort: Callable[[RequestOutput], None] | None = None,
+        resume: Resumption | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as tokens arrive; the last one has `finished=True`. Leaving the loop
         early (a client disconnect, a cancelled task) aborts the request and frees its blocks;
         `on_abort` then gets the engine's last output of it (what `abort` returns), which the
-        caller would otherwise never see."""
+        caller would otherwise never see. `resume`: continue after the output another replica had
+        produced (`LLMEngine.add_request`)."""
         request_id = request_id or uuid.uuid4().hex
         delta = sampling_params is not None and sampling_params.output_kind == RequestOutputKind.DELTA
         stream = RequestOutputCollector(asyncio.get_running_loop(), delta, self.config.stream_interval)
         self._streams[request_id] = stream
         try:
-            await self._call(AddRequest, request_id, prompt, sampling_params, priority)
+            await self._call(AddRequest, request_id, prompt, sampling_params, priority, resume)
         except BaseException:  # the engine's ValueError for a bad prompt or parameter, or a dead core
             self._streams.pop(request_id, None)
             raise

@@ -22,6 +22,7 @@ from typing import Any
 
 from cluster.config import EngineConfig
 from engine.outputs import RequestOutput
+from engine.request import Resumption
 from engine.sampling_params import SamplingParams
 
 # -- commands ------------------------------------------------------------------------------------
@@ -34,6 +35,7 @@ class AddRequest:
     prompt: str | list[int]
     params: SamplingParams | None
     priority: int
+    resume: Resumption | None = None
 
 
 @dataclass(frozen=True, slots=True)

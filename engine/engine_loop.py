@@ -89,7 +89,11 @@ class EngineLoop:
     def _add(self, command: AddRequest) -> RequestAdded:
         try:
             self.engine.add_request(
-                command.prompt, command.params, request_id=command.request_id, priority=command.priority
+                command.prompt,
+                command.params,
+                request_id=command.request_id,
+                priority=command.priority,
+                resume=command.resume,
             )
         except Exception as e:  # a bad prompt or parameter: the caller's ValueError
             return RequestAdded(command.token, e)

@@ -21,7 +21,7 @@ from engine.executor import make_executor
 from engine.model_runner import ModelInput
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, Resumption
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -100,25 +100,52 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        resume: Resumption | None = None,
     ) -> str:
+        """`resume`: the output each sample already produced on a replica that died; the request
+        continues after it (engine/request.py `Resumption`)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id: {request_id!r} is already running")
         token_ids = self.tokenize(prompt)
         self._validate_prompt(token_ids, params)
+        if resume is not None:
+            self._validate_resume(token_ids, params, resume)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
-        samples = self._fan_out(request_id, token_ids, params, priority, arrival_time)
+        samples = self._fan_out(request_id, token_ids, params, priority, arrival_time, resume)
         self.output_processor.add_request(request_id, prompt, params, samples)
         for sample in samples:
-            self.scheduler.add_request(sample)
+            if not sample.status.finished:  # a resumed sample that had ended is not run again
+                self.scheduler.add_request(sample)
         return request_id
 
+    def _validate_resume(self, token_ids: list[int], params: SamplingParams, resume: Resumption) -> None:
+        if len(resume.token_ids) != params.n:
+            raise ValueError(f"resume: {len(resume.token_ids)} samples given for n={params.n}")
+        for index, output in enumerate(resume.token_ids):
+            if any(not 0 <= t < self.vocab_size for t in output):
+                raise ValueError(f"resume: token ids must be in [0, {self.vocab_size})")
+            if resume.finish_reason(index) is None and len(token_ids) + len(output) >= self.max_model_len:
+                raise ValueError(
+                    f"prompt: {len(token_ids)} tokens and {len(output)} already generated leave no room "
+                    f"to generate within the maximum context length of {self.max_model_len} tokens"
+                )
+
     def _fan_out(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int, arrival: float
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        arrival: float,
+        resume: Resumption | None = None,
     ) -> list[Request]:
         """One engine request per sample of `n`, each scheduled on its own. With a seed, sample i gets
-        seed + i, so the samples differ yet repeat."""
+        seed + i, so the samples differ yet repeat. A resumed sample starts with its output so far
+        (prefilled with the prompt, so the prefix cache serves what it holds of both), its grammar
+        advanced over it; its generator starts afresh from the seed, so a seeded sampled sample goes
+        on validly but not as it would have without the resumption."""
         samples = []
         for index in range(params.n):
             own = (
@@ -135,8 +162,15 @@ class LLMEngine:
                 parent_id=request_id,
                 index=index,
             )
+            if resume is not None:
+                sample.all_token_ids.extend(resume.token_ids[index])
+                if (reason := resume.finish_reason(index)) is not None:
+                    sample.status = RequestStatus.finished_with(reason)
             if params.structured is not None:
                 sample.grammar = self.structured_output.new_matcher(params.structured)
+                for token in sample.output_token_ids if not sample.status.finished else ():
+                    if not sample.grammar.accept_token(token):
+                        raise ValueError(f"resume: token {token} is not allowed by the request's grammar")
             samples.append(sample)
         return samples
 

@@ -51,8 +51,10 @@ class OutputProcessor:
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, samples: list[Request]
     ):
-        """Start tracking a user request whose `n` samples are `samples` (in index order)."""
-        states = [RequestState(r, self._new_detokenizer(r)) for r in samples]
+        """Start tracking a user request whose `n` samples are `samples` (in index order). A resumed
+        sample's output so far is replayed through its detokenizer, so its held-back bytes and stop
+        string window are as they were, and its text counts as sent: only new text comes out."""
+        states = [self._new_state(r) for r in samples]
         text_prompt = prompt if isinstance(prompt, str) else None
         self.parents[request_id] = ParentRequest(request_id, text_prompt, params, states)
 
@@ -64,18 +66,19 @@ class OutputProcessor:
         parent = self.parents.get(request_id)
         return None if parent is None else [s.request for s in parent.samples]
 
-    def _new_detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
-            return None
-        params = request.sampling_params
-        return IncrementalDetokenizer(
-            self.tokenizer,
-            request.prompt_token_ids,
-            stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-            skip_special_tokens=params.skip_special_tokens,
-            min_tokens=params.min_tokens,
-        )
+    def _new_state(self, request: Request) -> RequestState:
+        detok = None
+        if self.tokenizer is not None:
+            detok = new_detokenizer(self.tokenizer, request.prompt_token_ids, request.sampling_params)
+        state = RequestState(request, detok)
+        resumed = request.output_token_ids
+        if resumed:
+            if detok is not None:
+                _replay(detok, request, resumed)
+                state.sent_text = len(detok.text)
+            state.sent_tokens = len(resumed)
+            state.logprobs = [None] * len(resumed)  # reported by the replica that produced them
+        return state
 
     def _state(self, request: Request) -> RequestState:
         return self.parents[request.parent_id].samples[request.index]
@@ -144,6 +147,42 @@ class OutputProcessor:
             num_cached_tokens=max(first.num_cached_tokens, 0),
             metrics=_metrics(first, parent.finish_time),
         )
+
+
+def new_detokenizer(tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+    return IncrementalDetokenizer(
+        tokenizer,
+        prompt_token_ids,
+        stop=params.stop,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        skip_special_tokens=params.skip_special_tokens,
+        min_tokens=params.min_tokens,
+    )
+
+
+def resumed_text(tokenizer, prompt_token_ids: list[int], params: SamplingParams, token_ids: list[int]) -> str:
+    """The text a sample's unfinished output `token_ids` had shown: what a resumed sample's detokenizer
+    counts as sent (the serving layer rebuilds its own state, tool-call parsing, from it)."""
+    detok = new_detokenizer(tokenizer, prompt_token_ids, params)
+    for token in token_ids:
+        detok.update([token])
+    return detok.text
+
+
+def _replay(detok: IncrementalDetokenizer, request: Request, token_ids: list[int]) -> None:
+    """Feed a resumed sample's output through its new detokenizer token by token, as `process_token`
+    did: the same text, held-back bytes and stop-string window. A token that ended the sample (EOS, a
+    stop token id) was never text; an ended sample's held-back text was released."""
+    params, status = request.sampling_params, request.status
+    for i, token in enumerate(token_ids):
+        stop_token = (
+            not params.ignore_eos and token in request.eos_token_ids
+        ) or token in params.stop_token_ids
+        if i == len(token_ids) - 1 and status == RequestStatus.FINISHED_STOPPED and stop_token:
+            break
+        detok.update([token])
+    if status.finished and detok.stopped_by is None:
+        detok.flush()
 
 
 def _completion(state: RequestState, delta: bool) -> CompletionOutput:

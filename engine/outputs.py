@@ -9,8 +9,9 @@ class Logprob:
     decoded_token: str | None = None
 
 
-# One dict per generated token: token id -> Logprob (the sampled token and the top-k).
-SampleLogprobs = list[dict[int, Logprob]]
+# One dict per generated token: token id -> Logprob (the sampled token and the top-k); None for a
+# token a resumed request had produced before (on the replica that reported its logprobs).
+SampleLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass(slots=True)

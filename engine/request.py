@@ -10,6 +10,20 @@ import torch
 from engine.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True, slots=True)
+class Resumption:
+    """Output a user request already produced on another replica (one that died mid-request), per
+    sample of its `n`: the continuation prefills the prompt plus these tokens and goes on from there.
+    They count as output (max_tokens, min_tokens, penalties, the grammar's state) and their text as
+    already shown. A sample with a finish reason had ended: it is not run again."""
+
+    token_ids: tuple[tuple[int, ...], ...]
+    finish_reasons: tuple[str | None, ...] = ()
+
+    def finish_reason(self, index: int) -> str | None:
+        return self.finish_reasons[index] if index < len(self.finish_reasons) else None
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
@@ -25,6 +39,10 @@ class RequestStatus(enum.IntEnum):
     @property
     def finish_reason(self) -> str | None:
         return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+
+    @classmethod
+    def finished_with(cls, reason: str) -> "RequestStatus":
+        return {"stop": cls.FINISHED_STOPPED, "length": cls.FINISHED_LENGTH}.get(reason, cls.FINISHED_ABORTED)
 
 
 @dataclass(slots=True, eq=False)

@@ -80,6 +80,14 @@ class GatewayConfig(StrictModel):
     responses_ttl_s: float = Field(
         3600.0, gt=0, description="How long a stored response is kept, in seconds."
     )
+    max_resumptions: int = Field(
+        2,
+        ge=0,
+        description="How many times one request may be resumed after its pool replica failed (died, "
+        "engine dead): a stream continues on a live replica of the same pool (or a fallback pool serving "
+        "the same checkpoint) after the tokens already sent; a whole response is asked for again. "
+        "0 turns resumption off.",
+    )
 
 
 class LogsConfig(StrictModel):

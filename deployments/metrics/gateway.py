@@ -39,6 +39,12 @@ class GatewayMetrics(MetricSet):
         self.shed = Counter(
             "raylane_shed", "Requests turned away (429) by load shedding.", ["tier"], registry=r
         )
+        self.resumptions = Counter(
+            "raylane_stream_resumptions",
+            "Requests continued on a live replica after theirs failed, by pool resumed on and reason "
+            "(replica_died, replica_unavailable, engine_dead, unavailable).",
+            ["pool", "reason"], registry=r,
+        )  # fmt: skip
         self.router_latency = Histogram(
             "raylane_router_latency_seconds", "Time the router took to resolve and admit a request.",
             buckets=ROUTER_BUCKETS, registry=r,
@@ -57,6 +63,8 @@ class GatewayMetrics(MetricSet):
             self.shed.labels(tier=record.tier or "unknown").inc()
         if record.router_latency_s is not None:
             self.router_latency.observe(record.router_latency_s)
+        for pool, reason in record.resumptions:
+            self.resumptions.labels(pool=pool, reason=reason).inc()
 
 
 _gateway: tuple[GatewayMetrics, MetricsReporter] | None = None

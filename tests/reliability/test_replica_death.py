@@ -1,31 +1,39 @@
 """A pool replica dies while requests stream through it.
 
-App: pool `primary` (two replicas) falling back to `backup`. Eight streams run; one primary replica's
-actor is killed; sixteen more requests start right after. A stream that had begun on the dead
-replica must end with an error event (the SDK raises), never hang; a request not yet answered must
-be served by the other replica or by `backup`; Serve must bring the replica back.
+App: pool `primary` (two replicas) falling back to `backup`. Sixteen greedy streams of 200 tokens run
+once undisturbed, then again; in the second run one primary replica's actor is killed once every
+stream has sent some text. No stream may be cut: the streams on the dead replica are resumed on the
+live one (deployments/resumption.py) and each text must be token-identical to its undisturbed run,
+with the same usage. Sixteen more requests start right after the kill and must all be served; Serve
+must bring the replica back.
 """
 
 import threading
 import time
 
+import httpx2
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.live_servers import wait_until
 from tests.reliability.conftest import deployed, llama_pool
 
 APP = "rel-replicas"
-STREAMS, LATE = 8, 16
+STREAMS, LATE, TOKENS = 16, 16, 200
+KILL_AFTER_CHUNKS = 10  # every stream has sent this much text when the replica is killed
 pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
 def app(api_server, demo_models):
+    # Room for all sixteen streams on one replica once the other is dead (no preemption needed).
+    engine = {"max_num_seqs": STREAMS, "num_kv_blocks": 320}
+    two = {"min_replicas": 2, "max_replicas": 2}
     config = {
         "gateway": {"num_cpus": 0.1, "pool_health_period_s": 0.5},
         "pools": [
-            llama_pool(demo_models, "primary", replicas={"min_replicas": 2, "max_replicas": 2}),
+            llama_pool(demo_models, "primary", replicas=two, engine=engine),
             llama_pool(demo_models, "backup"),
         ],
         "router": {"routes": [{"name": "chat", "pool": "primary", "fallbacks": ["backup"]}]},
@@ -51,72 +59,129 @@ def running_primary_replicas() -> int:
     return deployment.replica_states.get("RUNNING", 0)
 
 
+def resumptions(url: str) -> float:
+    text = httpx2.get(f"{url}/metrics", timeout=60).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "raylane_stream_resumptions_total" and s.labels.get("pool") in ("primary", "backup")
+    )
+
+
 class Outcome:
     """What one request ended as: `ok` (whole answer), `error_event` (a stream cut with an error
-    event), `status N` (an HTTP error) or `hang` (still running at the end)."""
+    event), `status N` (an HTTP error) or `hang` (still running at the end); a stream's text, id,
+    usage and how many chunks it has had so far."""
 
     def __init__(self) -> None:
         self.kind = "hang"
-        self.started_streaming = threading.Event()
+        self.chunks = 0
+        self.text = ""
+        self.ids: set[str] = set()
+        self.usage = None
         self.fallback: str | None = None
+        self.error: str | None = None
+        self.progressed = threading.Event()  # set once KILL_AFTER_CHUNKS chunks have come
 
 
-def run_request(client: openai.OpenAI, outcome: Outcome, stream: bool) -> None:
-    body = {"model": "primary", "messages": [{"role": "user", "content": "tell me a story"}]}
+def prompt(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"tell me story number {i} about a {['cat', 'ship', 'tree'][i % 3]}"}]
+
+
+def run_stream(client: openai.OpenAI, outcome: Outcome, i: int) -> None:
     try:
-        if stream:
-            with client.chat.completions.with_streaming_response.create(
-                **body, stream=True, max_tokens=400, extra_body={"ignore_eos": True}
-            ) as raw:
-                outcome.fallback = raw.headers.get("x-raylane-fallback")
-                finish = None
-                for chunk in raw.parse():
-                    outcome.started_streaming.set()
-                    if chunk.choices and chunk.choices[0].finish_reason:
-                        finish = chunk.choices[0].finish_reason
-                outcome.kind = "ok" if finish == "length" else f"truncated ({finish})"
-        else:
-            raw = client.chat.completions.with_raw_response.create(**body, max_tokens=16)
+        with client.chat.completions.with_streaming_response.create(
+            model="primary",
+            messages=prompt(i),
+            stream=True,
+            max_tokens=TOKENS,
+            temperature=0,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        ) as raw:
             outcome.fallback = raw.headers.get("x-raylane-fallback")
-            outcome.kind = "ok" if raw.parse().choices[0].message.content else "empty"
+            finish = None
+            for chunk in raw.parse():
+                outcome.ids.add(chunk.id)
+                if chunk.usage is not None:
+                    outcome.usage = chunk.usage
+                if chunk.choices:
+                    outcome.text += chunk.choices[0].delta.content or ""
+                    finish = chunk.choices[0].finish_reason or finish
+                outcome.chunks += 1
+                if outcome.chunks >= KILL_AFTER_CHUNKS:
+                    outcome.progressed.set()
+            outcome.kind = "ok" if finish == "length" else f"truncated ({finish})"
     except openai.APIStatusError as e:
         outcome.kind = f"status {e.status_code}"
-    except openai.APIError:  # an error event inside the stream
+    except openai.APIError as e:  # an error event inside the stream
         outcome.kind = "error_event"
+        outcome.error = str(e)
     except Exception as e:  # anything else is a finding too, not a silent thread death
+        outcome.kind = f"{type(e).__name__}: {e}"
+    finally:
+        outcome.progressed.set()
+
+
+def run_request(client: openai.OpenAI, outcome: Outcome) -> None:
+    try:
+        raw = client.chat.completions.with_raw_response.create(
+            model="primary", messages=[{"role": "user", "content": "tell me a story"}], max_tokens=16
+        )
+        outcome.fallback = raw.headers.get("x-raylane-fallback")
+        outcome.kind = "ok" if raw.parse().choices[0].message.content else "empty"
+    except openai.APIStatusError as e:
+        outcome.kind = f"status {e.status_code}"
+    except Exception as e:
         outcome.kind = f"{type(e).__name__}: {e}"
 
 
-def test_replica_death_loses_no_request_and_the_replica_comes_back(app, report):
-    import ray
-
-    client = openai.OpenAI(base_url=f"{app}/v1", api_key="x", max_retries=0, timeout=180)
-    assert len(primary_replicas()) == 2
-    early = [Outcome() for _ in range(STREAMS)]
-    threads = [threading.Thread(target=run_request, args=(client, o, True)) for o in early]
+def run_streams(client: openai.OpenAI) -> tuple[list[Outcome], list[threading.Thread]]:
+    outcomes = [Outcome() for _ in range(STREAMS)]
+    threads = [threading.Thread(target=run_stream, args=(client, o, i)) for i, o in enumerate(outcomes)]
     for t in threads:
         t.start()
-    for o in early:
-        assert o.started_streaming.wait(120), "a stream did not start"
+    return outcomes, threads
+
+
+def test_replica_death_cuts_no_stream_and_the_replica_comes_back(app, report):
+    import ray
+
+    client = openai.OpenAI(base_url=f"{app}/v1", api_key="x", max_retries=0, timeout=240)
+    assert len(primary_replicas()) == 2
+    undisturbed, threads = run_streams(client)
+    for t in threads:
+        t.join(timeout=300)
+    assert [o.kind for o in undisturbed] == ["ok"] * STREAMS
+    resumed_before = resumptions(app)
+
+    streams, threads = run_streams(client)
+    for o in streams:
+        assert o.progressed.wait(180), "a stream did not get going"
     victim = primary_replicas()[0]
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
     killed_at = time.monotonic()
+    in_flight = sum(o.kind == "hang" for o in streams)
 
     late = [Outcome() for _ in range(LATE)]
-    late_threads = [
-        threading.Thread(target=run_request, args=(client, o, i % 2 == 0)) for i, o in enumerate(late)
-    ]
+    late_threads = [threading.Thread(target=run_request, args=(client, o)) for o in late]
     for t in late_threads:
         t.start()
     for t in threads + late_threads:
-        t.join(timeout=240)
+        t.join(timeout=300)
 
-    early_kinds = [o.kind for o in early]
-    late_kinds = [o.kind for o in late]
-    assert "hang" not in early_kinds + late_kinds  # every request ended
-    assert set(early_kinds) <= {"ok", "error_event"}, early_kinds
-    assert "error_event" in early_kinds  # some streams ran on the killed replica and were told so
-    assert late_kinds == ["ok"] * LATE, late_kinds  # nothing new was lost
+    kinds = [o.kind for o in streams]
+    assert "hang" not in kinds + [o.kind for o in late]  # every request ended
+    assert kinds == ["ok"] * STREAMS, [o.error for o in streams]  # no stream was cut
+    resumed = resumptions(app) - resumed_before
+    assert resumed >= 1  # some streams ran on the killed replica and went on elsewhere
+    for i, (before, after) in enumerate(zip(undisturbed, streams, strict=True)):
+        assert after.text == before.text, f"stream {i} differs from its undisturbed run"
+        assert len(after.ids) == 1  # one response id from the first chunk to the last
+        assert after.usage.completion_tokens == TOKENS
+        assert after.usage.prompt_tokens == before.usage.prompt_tokens
+    assert [o.kind for o in late] == ["ok"] * LATE  # nothing new was lost
 
     wait_until(
         lambda: running_primary_replicas() == 2 and victim not in primary_replicas(), 240, "replica back"
@@ -130,7 +195,9 @@ def test_replica_death_loses_no_request_and_the_replica_comes_back(app, report):
         "replica death",
         sent=STREAMS + LATE,
         lost=0,
-        cut_with_error_event=early_kinds.count("error_event"),
+        streams_in_flight=in_flight,
+        streams_cut=kinds.count("error_event"),
+        resumed=int(resumed),
         late_fallbacks=sum(1 for o in late if o.fallback),
         status_5xx=0,
         recovery_s=round(recovered_s, 1),

@@ -5,7 +5,7 @@ import asyncio
 
 from deployments.errors import unavailable
 from deployments.relay import relay
-from deployments.wire import FinalItem, RequestSummary, sse_error
+from deployments.wire import FinalItem, RequestSummary, StreamItem, sse_error
 
 
 class Call:
@@ -20,7 +20,10 @@ class Call:
     async def __anext__(self):
         if not self.items:
             raise StopAsyncIteration
-        return self.items.pop(0)
+        item = self.items.pop(0)
+        if isinstance(item, Exception):  # the call fails here
+            raise item
+        return item
 
     def cancel(self):
         self.cancelled = True
@@ -64,3 +67,45 @@ def test_a_stream_that_is_one_item_is_relayed_whole():
     call, slot = Call([]), Slot()
     sent, usage = asyncio.run(relayed(FinalItem("all[DONE]"), call, slot))
     assert sent == ["all[DONE]"] and usage == [1] and slot.outcome == "succeeded"
+
+
+class Resumer:
+    """Stands in for deployments.resumption.Resumer: tracks the items relayed and continues on `then`."""
+
+    def __init__(self, then: Call | None):
+        self.then, self.tokens, self.tokens_before, self.failures = then, 0, 0, []
+
+    @property
+    def state(self):
+        return self.tokens or None
+
+    def track(self, item: StreamItem) -> None:
+        self.tokens += sum(len(ids) for ids in item.token_ids.values())
+
+    async def resume(self, pool, failure):
+        self.failures.append(failure)
+        self.tokens_before = self.tokens
+        return None if self.then is None else (await self.then.__anext__(), self.then)
+
+
+def test_a_stream_whose_replica_died_goes_on_from_its_resumption():
+    died = RuntimeError("replica died")
+    call = Call([StreamItem("b", {0: [2]}), died, "never read"])
+    summary = RequestSummary(prompt_tokens=3, completion_tokens=1, finish_reasons=["length"])
+    resumer, slot = Resumer(Call([StreamItem("c", {0: [3]}), FinalItem("d[DONE]", summary)])), Slot()
+    slot.pool = "p"
+    usage = []
+    sent = asyncio.run(_collect(relay(StreamItem("a", {0: [1]}), call, slot, usage.append, resumer)))
+    assert sent == ["a", "b", "c", "d[DONE]"] and resumer.failures == [died] and call.cancelled
+    assert usage == [3 + 1 + 2] and slot.outcome == "succeeded"  # the tokens sent before count too
+
+
+def test_a_stream_that_cannot_be_resumed_ends_with_the_error_event():
+    call, slot = Call([RuntimeError("replica died")]), Slot()
+    slot.pool = "p"
+    sent = asyncio.run(_collect(relay(StreamItem("a", {0: [1]}), call, slot, None, Resumer(None))))
+    assert sent[0] == "a" and sent[1].startswith('data: {"error"') and slot.outcome == "failed"
+
+
+async def _collect(stream):
+    return [chunk async for chunk in stream]

@@ -11,7 +11,7 @@ from deployments.openai_schemas import ChatCompletionRequest, CompletionRequest
 from deployments.sampling import chat_params, completion_params
 from deployments.serving_chat import OpenAIServingChat
 from deployments.serving_completion import OpenAIServingCompletion
-from deployments.wire import FinalItem
+from deployments.wire import FinalItem, StreamItem
 from engine import AsyncLLM
 
 
@@ -45,8 +45,13 @@ def test_each_streamed_item_is_one_engine_output_with_the_opening_and_closing_ev
     finally:
         engine.shutdown()
 
+    # The items before the last carry, beside their text, the token ids that text holds (what a
+    # resumption on another replica needs; never sent to the client): one id per token out.
+    assert all(isinstance(item, StreamItem) for item in chat[:-1] + text[:-1])
+    assert all(len(item.token_ids[0]) >= 1 for item in chat[:-1] + text[:-1])
+    assert sum(len(item.token_ids[0]) for item in chat[:-1]) < 6  # the last token went with the end
+    chat[:-1], text[:-1] = [i.text for i in chat[:-1]], [i.text for i in text[:-1]]
     # The last item says it is the last and carries what the request log needs.
-    assert all(isinstance(item, str) for item in chat[:-1] + text[:-1])
     assert isinstance(chat[-1], FinalItem) and isinstance(text[-1], FinalItem)
     assert (chat[-1].summary.completion_tokens, chat[-1].summary.finish_reason) == (6, "length")
     chat[-1], text[-1] = chat[-1].item, text[-1].item
