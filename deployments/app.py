@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve import Application
 
@@ -42,12 +43,18 @@ def pool_deployment_name(pool_name: str) -> str:
     return f"ModelPool:{pool_name}"
 
 
-def pool_deployment_options(pool: PoolConfig, access_log: bool = False) -> dict[str, Any]:
-    """Serve options of a pool: one placement-group bundle per rank, replicas and autoscaling."""
-    rank = {"CPU": pool.engine.cpus_per_rank} | ({"GPU": 1} if pool.gpus_per_rank else {})
+def pool_deployment_options(
+    pool: PoolConfig, access_log: bool = False, cluster_has_gpus: bool = False
+) -> dict[str, Any]:
+    """Serve options of a pool: one placement-group bundle per rank, replicas and autoscaling.
+
+    `device: auto` reserves a GPU per rank when the cluster has GPUs: an actor that reserved none
+    sees none (Ray hides them), so its engine would quietly run on the CPU."""
+    gpus = 1 if pool.gpus_per_rank or (pool.engine.device == "auto" and cluster_has_gpus) else 0
+    rank = {"CPU": pool.engine.cpus_per_rank} | ({"GPU": 1} if gpus else {})
     if pool.in_process:  # the engine runs inside the replica, on the one bundle
         bundles = [rank]
-        actor = {"num_cpus": pool.engine.cpus_per_rank, "num_gpus": pool.gpus_per_rank}
+        actor = {"num_cpus": pool.engine.cpus_per_rank, "num_gpus": gpus}
     else:  # rank i's actor runs in bundle i (engine/executor/placement.py); the replica shares bundle 0
         bundles = [{**rank, "CPU": rank["CPU"] + REPLICA_DRIVER_CPUS}] + [rank] * (pool.world_size - 1)
         actor = {"num_cpus": REPLICA_DRIVER_CPUS}
@@ -93,8 +100,9 @@ def build_app(config: ClusterConfig | dict[str, Any] | str | os.PathLike | None 
     `{"config_path": ...}` as Serve's `args`, or None for the embedded default)."""
     config = _coerce(config)
     access_log = config.logs.serve_access_log
+    has_gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
     pools = {
-        pool.name: serve.deployment(ModelPool, **pool_deployment_options(pool, access_log)).bind(
+        pool.name: serve.deployment(ModelPool, **pool_deployment_options(pool, access_log, has_gpus)).bind(
             pool, prepare_engine_config
         )
         for pool in config.pools

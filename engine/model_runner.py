@@ -151,7 +151,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, batch: ModelInput, compute_logits: bool = True) -> torch.Tensor | None:
-        """Forward the batch; returns float32 logits [len(sample_indices), vocab] on CPU.
+        """Forward the batch; returns float32 logits [len(sample_indices), vocab] on the runner's
+        device (a GPU's stay there: the sampler runs on them and only token ids come back).
 
         With `compute_logits` False (ranks whose TP group's logits nobody reads) it stops after
         the last layer and returns None.
@@ -170,6 +171,6 @@ class ModelRunner:
         if not compute_logits:
             return None
         if not batch.sample_indices:
-            return torch.empty(0, 0)
+            return torch.empty(0, 0, device=self.device)
         rows = torch.tensor(batch.sample_indices, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows]).float().cpu()
+        return self.model.compute_logits(hidden[rows]).float()

@@ -4,6 +4,11 @@ Rows are handled in batches where settings allow (greedy rows with one argmax, u
 random rows with one draw) and one by one only where a request owns a seeded generator,
 so a request's output depends on its seed alone, not on what it was batched with.
 
+Everything runs on the logits' device: on a GPU the logits never come to the host; the sampled ids
+do, in one copy at the end of the step (with the logprobs a request asked for). Generators stay on
+the CPU (a seed means the same numbers on every device): their noise goes to the device, a copy
+that does not wait for the GPU.
+
 `min_tokens`, as in vLLM: until a request has `min_tokens` output tokens, its stop token ids and
 (unless `ignore_eos`) every EOS id of the model are masked to -inf, so they cannot be sampled at all
 (greedy picks the best other token, as Hugging Face's `min_new_tokens` does). Reported logprobs stay
@@ -32,16 +37,20 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
         params = request.sampling_params
         if not params.needs_penalties:
             continue
-        vocab = logits.shape[1]
+        vocab, device = logits.shape[1], logits.device
         if params.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long).clamp(max=vocab - 1)
+            seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long, device=device)
+            seen = seen.clamp(max=vocab - 1)
             scores = logits[row, seen]
             logits[row, seen] = torch.where(
                 scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty
             )
         if params.presence_penalty or params.frequency_penalty:
-            counts = torch.bincount(torch.tensor(request.output_token_ids, dtype=torch.long), minlength=vocab)
-            counts = counts[:vocab].to(logits.dtype)
+            # Ids past the logits (tokens a tokenizer added) land in one spare bucket, then dropped.
+            output = torch.tensor(request.output_token_ids, dtype=torch.long, device=device)
+            counts = torch.zeros(vocab + 1, dtype=logits.dtype, device=device)
+            ones = torch.ones_like(output, dtype=logits.dtype)
+            counts = counts.scatter_add_(0, output.clamp(max=vocab), ones)[:vocab]
             logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
 
 
@@ -65,11 +74,11 @@ def mask_min_tokens(logits: torch.Tensor, request: Request, row: int, num_output
     blocked = [t for t in min_tokens_blocked(request, num_output_tokens) if t < vocab]
     if not blocked:
         return
-    ids = torch.tensor(blocked, dtype=torch.long)
+    ids = torch.tensor(blocked, dtype=torch.long, device=logits.device)
     saved = logits[row, ids].clone()
     logits[row, ids] = float("-inf")
-    if not torch.isfinite(logits[row]).any():
-        logits[row, ids] = saved
+    # Put them back where nothing finite is left, without reading the answer back to the host.
+    logits[row, ids] = torch.where(torch.isfinite(logits[row]).any(), logits[row, ids], saved)
 
 
 def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -90,9 +99,17 @@ def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    # Exponential race (Gumbel-max in disguise): argmax(p / E) with E ~ Exp(1) samples from p.
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
+    return int(_draw_on_device(probs, generator))
+
+
+def _draw_on_device(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """The sampled id as a 0-d tensor on `probs`' device. Exponential race (Gumbel-max in disguise):
+    argmax(p / E) with E ~ Exp(1) samples from p."""
+    if generator is not None and generator.device != probs.device:
+        noise = torch.empty(probs.shape).exponential_(generator=generator).to(probs.device, non_blocking=True)
+    else:
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / noise).argmax()
 
 
 def _logprobs(logits: torch.Tensor, token_ids: list[int], requests: list[Request]) -> list:
@@ -125,12 +142,13 @@ class Sampler:
             apply_penalties(logits, requests)
         for row in blocked:
             mask_min_tokens(logits, requests[row], row, requests[row].num_output_tokens)
-        token_ids = logits.argmax(dim=-1).tolist()
+        tokens = logits.argmax(dim=-1)
         for row, request in enumerate(requests):
             params = request.sampling_params
             if not params.greedy:
                 probs = _filter(logits[row], params)
-                token_ids[row] = _draw(probs, request.generator or self.generator)
+                tokens[row] = _draw_on_device(probs, request.generator or self.generator)
+        token_ids = tokens.tolist()  # the step's one read back from the device
         # Logprobs are of the model's distribution (before min_tokens, penalties and filters), as vLLM
         # reports by default (its "raw_logprobs" mode).
         return SamplerOutput(token_ids, _logprobs(raw, token_ids, requests))

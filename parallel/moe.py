@@ -190,7 +190,8 @@ class FusedMoE(nn.Module):
 
 def grouped_mm_fits(hidden: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether `F.grouped_mm` takes these operands: its kernels want 16-byte aligned strides (real
-    checkpoints' sizes are; a tiny test model's may not be) and, on CUDA, bfloat16."""
-    if hidden.is_cuda and hidden.dtype != torch.bfloat16:
+    checkpoints' sizes are; a tiny test model's may not be) and, on CUDA, bfloat16. torch < 2.10 has
+    no public `F.grouped_mm`: the per-expert loop then."""
+    if not hasattr(F, "grouped_mm") or (hidden.is_cuda and hidden.dtype != torch.bfloat16):
         return False
     return all(d * t.element_size() % 16 == 0 for t in (hidden, *weights) for d in t.shape[-2:])

@@ -81,7 +81,8 @@ class RankWorker:
         if len(self.execute_s) < MAX_TIMED_STEPS:
             self.execute_s.append(time.perf_counter() - start)
             self.collective_s.append(collective_stats.seconds - in_collectives)
-        return logits if self.rank == 0 else None
+        # Through Ray's object store to the driver, which samples: a host tensor.
+        return logits.cpu() if self.rank == 0 and logits is not None else None
 
     def ping(self) -> int:
         return self.rank

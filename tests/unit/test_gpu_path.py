@@ -5,10 +5,14 @@ a GPU machine."""
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
-from cluster.config import EngineConfig
+from cluster.config import EngineConfig, PoolConfig
 from engine.memory_profile import DraftReservation, GiB, MemoryReport, kv_cache_split
 from engine.model_runner import ModelRunner
+from engine.request import Request
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
 from engine.spec_decode.draft_model import draft_reservation
 from parallel import state
 from tests.hf_models import make_checkpoint
@@ -105,3 +109,72 @@ def test_nccl_binds_each_rank_to_its_gpu(monkeypatch):
     (nccl, nccl_kwargs), (gloo, gloo_kwargs) = calls
     assert nccl == "nccl" and nccl_kwargs["device_id"] == torch.device("cuda", 3)
     assert gloo == "gloo" and "device_id" not in gloo_kwargs
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the ways a tensor's values reach Python: each one, on a GPU, waits for the device."""
+
+    READS = {
+        torch.Tensor.tolist,
+        torch.Tensor.item,
+        torch.Tensor.__int__,
+        torch.Tensor.__float__,
+        torch.Tensor.__bool__,
+        torch.Tensor.cpu,
+        torch.Tensor.numpy,
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_steps_sampling_reads_back_only_the_token_ids():
+    """Greedy, sampled, seeded, penalised and min_tokens rows in one batch: the sampler reads the
+    logits' device once (the ids), however many rows sample; a GPU step then waits once. Its tokens
+    are the ones each row's own settings give when sampled alone."""
+    vocab = 64
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=1.0, seed=7, top_k=5),
+        SamplingParams(temperature=0, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.2),
+        SamplingParams(temperature=0.7, min_tokens=4, stop_token_ids=[3]),
+    ]
+    requests = [
+        Request(f"r{i}", [1, 2, 3], p, eos_token_ids=frozenset({2}), all_token_ids=[1, 2, 3, 5, 5, 9])
+        for i, p in enumerate(params)
+    ]
+    logits = torch.randn(len(requests), vocab, generator=torch.Generator().manual_seed(0))
+    with HostReads() as mode:
+        batched = Sampler(torch.Generator().manual_seed(1))(logits, requests)
+    assert mode.reads == ["tolist"]
+    assert all(0 <= t < vocab for t in batched.token_ids)
+    assert batched.token_ids[4] not in (2, 3)  # min_tokens keeps EOS and the stop id out
+    # Deterministic rows (greedy, seeded, penalised greedy) match the same request sampled alone.
+    for row in (0, 2, 3):
+        again = Request(
+            f"a{row}", [1, 2, 3], params[row], eos_token_ids=frozenset({2}), all_token_ids=[1, 2, 3, 5, 5, 9]
+        )
+        alone = Sampler(torch.Generator().manual_seed(99))(logits[row : row + 1].clone(), [again])
+        assert alone.token_ids[0] == batched.token_ids[row]
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_device_auto_reserves_a_gpu_per_rank_where_the_cluster_has_gpus(tensor_parallel_size):
+    """No GPU here: the cluster's GPUs are a flag. An actor that reserves none sees none, so a pool
+    on `device: auto` must reserve them, in-process (the replica) or one per rank's bundle."""
+    from deployments.app import pool_deployment_options
+
+    engine = {"device": "auto", "tensor_parallel_size": tensor_parallel_size}
+    pool = PoolConfig.model_validate({"name": "chat", "model": "demo:raylane-llama-tiny", "engine": engine})
+    on_gpus, on_cpus = pool_deployment_options(pool, cluster_has_gpus=True), pool_deployment_options(pool)
+    assert [b.get("GPU", 0) for b in on_gpus["placement_group_bundles"]] == [1] * tensor_parallel_size
+    assert all("GPU" not in b for b in on_cpus["placement_group_bundles"])
+    if tensor_parallel_size == 1:
+        assert on_gpus["ray_actor_options"]["num_gpus"] == 1 and on_cpus["ray_actor_options"]["num_gpus"] == 0
