@@ -218,7 +218,7 @@ def hostile_body(rng: random.Random) -> tuple[str, dict]:
             "choice",
             "tools",
         ]
-        + ["messages", "completion", "completion"]
+        + ["messages", "completion", "completion", "responses", "responses", "tokenize"]
     )
     text = lambda: rng.choice(TEXTS + RAW_TEXTS)  # noqa: E731
     if kind == "text":
@@ -287,12 +287,57 @@ def hostile_body(rng: random.Random) -> tuple[str, dict]:
                 [{"role": "user", "content": text()}, {"role": "user", "content": text()}],
             ]
         )
+    elif kind == "responses":
+        return "/v1/responses", hostile_response(rng, text)
+    elif kind == "tokenize":
+        tokenize = {"model": body["model"], **rng.choice([{"prompt": text()}, {"messages": messages}])}
+        messages[0]["content"] = text()
+        return rng.choice(["/tokenize", "/tokenize", "/detokenize"]), tokenize | (
+            {"tokens": rng.choice([[0, 1], [2**40], [-1], list(range(3000))])} if rng.random() < 0.3 else {}
+        )
     else:
         body = hostile_completion(rng, text)
         return "/v1/completions", body
     if rng.random() < 0.25:
         body["stream"] = True
     return "/v1/chat/completions", body
+
+
+def hostile_response(rng: random.Random, text) -> dict:
+    """A /v1/responses body: hostile text in instructions and input items, hostile text.format
+    schemas and tools (the Responses shape of chat's), hostile previous_response_id."""
+    item = rng.choice(
+        [
+            {"role": "user", "content": text()},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text()}]},
+            {"type": "function_call", "call_id": text(), "name": "f", "arguments": text()},
+            {"type": "function_call_output", "call_id": "c1", "output": text()},
+            {"type": "reasoning", "id": text(), "summary": []},
+        ]
+    )
+    body: dict = {
+        "model": rng.choice(["coding", "chat", "reasoning", "auto"]),
+        "input": rng.choice([text(), [item], [item, {"role": "user", "content": "hi"}]]),
+        "max_output_tokens": rng.choice([1, 2, 4]),
+    }
+    if rng.random() < 0.3:
+        body["instructions"] = text()
+    if rng.random() < 0.25:
+        fmt = {"type": "json_schema", "name": "x", "schema": rng.choice(SCHEMAS)}
+        body["text"] = {"format": fmt}
+    if rng.random() < 0.25:
+        chat_tools = hostile_tools(rng, text)
+        body["tools"] = [{"type": "function", **t["function"]} for t in chat_tools["tools"]]
+        choice = chat_tools.get("tool_choice")
+        if isinstance(choice, dict):
+            choice = {"type": "function", "name": choice["function"]["name"]}
+        if choice is not None:
+            body["tool_choice"] = choice
+    if rng.random() < 0.1:
+        body["previous_response_id"] = rng.choice(["resp_missing", text(), ""])
+    if rng.random() < 0.25:
+        body["stream"] = True
+    return body
 
 
 def hostile_call(rng: random.Random) -> dict:
@@ -368,7 +413,8 @@ def to_json(body: dict, ascii: bool) -> bytes:
 def send(client: httpx2.Client, path: str, body: bytes) -> tuple[int, str, bool]:
     """(status, text, whether a 200 stream carried an error event)."""
     r = client.post(path, content=body, headers={"content-type": "application/json"})
-    broken_stream = r.status_code == 200 and r.text.startswith("data:") and 'data: {"error"' in r.text
+    streamed = r.headers.get("content-type", "").startswith("text/event-stream")
+    broken_stream = r.status_code == 200 and streamed and 'data: {"error"' in r.text
     return r.status_code, r.text, broken_stream
 
 

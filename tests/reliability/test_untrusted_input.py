@@ -2,12 +2,14 @@
 each limit on what one request may ask for.
 
 The fuzz (schemathesis over /openapi.json, positive and negative cases) sends at least 1,000
-requests to /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/models: no 5xx, every 4xx
-in OpenAI's error shape, every 2xx valid against the schema the gateway publishes (a stream: JSON
-events then [DONE], no error event). The app under test is an ordinary one with a 64-token context
-window, so that generated requests that are valid (positive cases name a served `model`; negative
-ones may not) reach the engine and cost at most 64 tokens each. The cases are the same every run
-(derandomized), so a failure reproduces; the figures are reported at the end of the run.
+requests to /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses (and GET/DELETE of
+a stored one), /tokenize, /detokenize and /v1/models: no 5xx, every 4xx in OpenAI's error shape,
+every 2xx valid against the schema the gateway publishes (a stream: JSON events then [DONE], or the
+Responses API's typed events ending in response.completed / response.incomplete; no error event).
+The app under test is an ordinary one with a 64-token context window, so that generated requests
+that are valid (positive cases name a served `model`; negative ones may not) reach the engine and
+cost at most 64 tokens each. The cases are the same every run (derandomized), so a failure
+reproduces; the figures are reported at the end of the run.
 """
 
 import json
@@ -32,6 +34,11 @@ FUZZ = [
     ("POST", "/v1/completions", 320),
     ("POST", "/v1/embeddings", 240),
     ("GET", "/v1/models/{model_id}", 80),
+    ("POST", "/v1/responses", 160),
+    ("GET", "/v1/responses/{response_id}", 30),
+    ("DELETE", "/v1/responses/{response_id}", 20),
+    ("POST", "/tokenize", 100),
+    ("POST", "/detokenize", 60),
     ("GET", "/v1/models", 1),  # no parameters: one request says it all
 ]
 STATUSES: dict[str, Counter] = {}  # "METHOD path" -> status -> requests
@@ -92,6 +99,10 @@ def _served_models(schema: dict, chat_models: list[str], embedding_models: list[
         ("ChatCompletionRequest", chat_models),
         ("CompletionRequest", chat_models),
         ("EmbeddingRequest", embedding_models),
+        ("ResponsesRequest", chat_models),
+        ("TokenizeChatRequest", chat_models),
+        ("TokenizeCompletionRequest", chat_models),
+        ("DetokenizeRequest", chat_models),
     ):
         components[name]["properties"]["model"] = {"enum": models}
     return schema
@@ -108,9 +119,13 @@ def fuzz_schema(untrusted, http):
         ("/v1/chat/completions", "post"),
         ("/v1/completions", "post"),
         ("/v1/embeddings", "post"),
+        ("/v1/responses", "post"),
+        ("/tokenize", "post"),
+        ("/detokenize", "post"),
     ):
         body = schema["paths"][path][operation]["requestBody"]  # published, not only parsed
-        assert body["required"] and "$ref" in body["content"]["application/json"]["schema"]
+        published = body["content"]["application/json"]["schema"]
+        assert body["required"] and ("$ref" in published or "anyOf" in published)
     chat_models = ["chat", "auto"]
     schema = _served_models(schema, chat_models, [EMBEDDING_MODEL])
     loaded = schemathesis.openapi.from_dict(schema)
@@ -130,6 +145,11 @@ def check_stream(ctx, response, case) -> None:
     if response.status_code != 200 or not content_type(response).startswith("text/event-stream"):
         return
     events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    if case.path == "/v1/responses":  # typed events, no [DONE]
+        data = [json.loads(event) for event in events]
+        assert all("error" not in d and d["type"].startswith("response.") for d in data), data
+        assert data[-1]["type"] in ("response.completed", "response.incomplete"), data[-1]
+        return
     assert events and events[-1] == "[DONE]", response.text[-500:]
     for event in events[:-1]:
         data = json.loads(event)
