@@ -12,14 +12,14 @@ class RecordingPool(ModelPool):
             self.seen: list[tuple[str | None, int]] = []
         self.seen.append((request.user, priority))
 
-    async def chat(self, request, params, plan, request_id, priority: int = 0):
+    async def chat(self, request, params, plan, request_id, priority: int = 0, resume=None):
         self._record(request, priority)
-        async for item in super().chat(request, params, plan, request_id, priority):
+        async for item in super().chat(request, params, plan, request_id, priority, resume):
             yield item
 
-    async def completions(self, request, params, request_id, priority: int = 0):
+    async def completions(self, request, params, request_id, priority: int = 0, resume=None):
         self._record(request, priority)
-        async for item in super().completions(request, params, request_id, priority):
+        async for item in super().completions(request, params, request_id, priority, resume):
             yield item
 
     def priorities(self, user: str) -> list[int]:
