@@ -187,7 +187,7 @@ class _DyingEngine:
     def __init__(self, tokens_before_death: int):
         self.tokens_before_death = tokens_before_death
 
-    async def generate(self, prompt, params, request_id=None, priority=0):
+    async def generate(self, prompt, params, request_id=None, priority=0, resume=None):
         from engine import EngineDeadError, RequestOutput
         from engine.outputs import CompletionOutput
 
@@ -215,7 +215,7 @@ def test_engine_failure_is_a_5xx_in_openai_shape():
     [error] = asyncio.run(items(2, stream=False))  # dies while the client waits for the whole response
     assert isinstance(error, OpenAIError) and error.status == 503
     *chunks, last = asyncio.run(items(2, stream=True))  # dies mid-stream: an error event ends it
-    assert [json.loads(c[6:])["choices"][0]["text"] for c in chunks] == ["t0", "t1"]
+    assert [json.loads(c.text[6:])["choices"][0]["text"] for c in chunks] == ["t0", "t1"]
     assert isinstance(last, FinalItem) and json.loads(last.item[6:])["error"]["code"] == "service_unavailable"
     crashed = pool_failure(RuntimeError("replica crashed"))
     assert crashed.status == 500 and crashed.to_dict()["error"]["type"] == "internal_server_error"
