@@ -3,10 +3,15 @@
 Its demo model has random weights, so its output is forced with a regex (vLLM's `structured_outputs`
 extension): the grammar lets the model pick any tokens that spell the text, and the shipped tokenizer
 has no `<think>` token, so the tags arrive split over several tokens and engine outputs. The
-expected token counts come from the tokens the server reports (logprobs), not from the parser."""
+expected token counts come from the tokens the server reports (logprobs), not from the parser.
+
+A second app serves a tiny checkpoint whose tokenizer has `<think>` and `</think>` as tokens and whose
+chat template opens the thinking, as DeepSeek-R1's does, with the `deepseek_r1` parser."""
 
 import typing
+from pathlib import Path
 
+import httpx2
 import openai
 import pytest
 from openai.types.responses import ResponseStreamEvent
@@ -181,3 +186,83 @@ def test_reasoning_effort_is_checked_and_echoed(client):
         model="reasoning", input="Hi", reasoning={"effort": "low"}, max_output_tokens=2
     )
     assert r.reasoning.effort == "low"
+
+
+# -- a checkpoint whose tokenizer and chat template carry the markup ---------------------------------
+
+R1_APP = "reasoning-r1"
+R1_RE = r"Two and two make four\.\n</think>\n\nFour\."
+
+
+def make_thinking_checkpoint(path: Path) -> Path:
+    """A tiny random Llama with the shipped tokenizer plus `<think>`/`</think>` as tokens, and the demo
+    chat template with the assistant's turn opened by `<think>\\n` (DeepSeek-R1's way)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cluster.demo_models import ASSETS, load_tokenizer
+
+    tokenizer = load_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"])
+    opening = "{{- '<|im_start|>assistant\\n' -}}"
+    template = (ASSETS / "chat_template.jinja").read_text()
+    assert opening in template
+    tokenizer.chat_template = template.replace(opening, "{{- '<|im_start|>assistant\\n<think>\\n' -}}")
+    config = LlamaConfig(
+        vocab_size=-(-len(tokenizer) // 64) * 64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        initializer_range=0.15,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        tie_word_embeddings=True,
+        dtype="float32",
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def r1(api_server, tmp_path_factory):
+    """(client, base URL) of an app whose pool `r1` serves that checkpoint with `deepseek_r1`."""
+    from tests.reliability.conftest import deployed
+
+    path = make_thinking_checkpoint(tmp_path_factory.mktemp("thinker"))
+    engine = {"max_num_seqs": 4, "num_kv_blocks": 64, "cpus_per_rank": 0.25, "seed": 0}
+    pool = {"name": "r1", "model": str(path), "engine": engine, "reasoning_parser": "deepseek_r1"}
+    with deployed(api_server, R1_APP, {"pools": [pool]}) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120), url
+
+
+def test_a_chat_template_that_opens_the_thinking(r1):
+    client, url = r1
+    prompt = httpx2.post(
+        f"{url}/tokenize", json={"model": "r1", "messages": ASK, "return_token_strs": True}, timeout=60
+    ).json()["token_strs"]
+    assert "<think>" in prompt[-3:]  # one token, at the end of the prompt the template writes
+    r = client.chat.completions.create(
+        model="r1", messages=ASK, max_tokens=40, temperature=0, logprobs=True, extra_body=forced(R1_RE)
+    )
+    message = r.choices[0].message
+    assert message.reasoning_content == "Two and two make four.\n" and message.content == "Four."
+    expected = tokens_through_think_end(r.choices[0].logprobs)
+    assert r.usage.completion_tokens_details.reasoning_tokens == expected
+    stream = client.chat.completions.create(
+        model="r1", messages=ASK, max_tokens=40, temperature=0, stream=True, extra_body=forced(R1_RE)
+    )
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == message.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == "Four."
+    response = client.responses.create(
+        model="r1", input=ASK[0]["content"], max_output_tokens=40, temperature=0, extra_body=forced(R1_RE)
+    )
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.output[0].content[0].text == message.reasoning_content
+    assert response.usage.output_tokens_details.reasoning_tokens == expected
