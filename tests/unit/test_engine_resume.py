@@ -45,9 +45,11 @@ def run(llm: LLM, params: SamplingParams, resume: Resumption | None = None):
 
 
 def test_every_cut_point_resumes_to_the_same_tokens_and_text(llm):
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     [text], [ids], _, sent = run(llm, params)
-    for cut in range(1, 40):
+    # Some tokens add no text at once (part of a UTF-8 character): cuts after them resume held-back bytes.
+    assert any(sent[k] == sent[k - 1] for k in range(1, 24))
+    for cut in range(1, 24):
         [rest], [more], [reason], _ = run(llm, params, Resumption((tuple(ids[:cut]),)))
         assert more == ids[cut:], cut  # max_tokens counts the tokens produced before
         assert reason == "length"
