@@ -171,6 +171,23 @@ def test_previous_response_id_continues_the_conversation(client, tokenizer):
     assert client.responses.retrieve(first.id).output_text == first.output_text
 
 
+def test_a_streamed_response_is_stored_when_it_completes(client, tokenizer):
+    events = typed_events(
+        client.responses.create(model="chat", input="My name is Bo.", max_output_tokens=6, stream=True)
+    )
+    streamed = events[-1].response
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text
+    follow = client.responses.create(
+        model="chat", previous_response_id=streamed.id, input="Who am I?", max_output_tokens=4
+    )
+    conversation = [
+        {"role": "user", "content": "My name is Bo."},
+        {"role": "assistant", "content": streamed.output_text},
+        {"role": "user", "content": "Who am I?"},
+    ]
+    assert follow.usage.input_tokens == prompt_tokens(tokenizer, conversation)
+
+
 def test_function_call_output_continues_a_tool_call(client, tokenizer):
     first = client.responses.create(
         model="chat",
