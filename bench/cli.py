@@ -15,6 +15,7 @@ BENCHMARKS = {
     "gguf-open": "bench.gguf_open",
     "grammar-bound": "bench.grammar_bound",
     "overhead": "bench.overhead",
+    "affinity": "bench.affinity",
     "gpu-check": "bench.gpu_check",
     "report": "bench.report",
 }

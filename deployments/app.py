@@ -15,11 +15,14 @@ from typing import Any
 import ray
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from cluster.config import ClusterConfig, PoolConfig
 from cluster.model_sources import prepare_engine_config
+from deployments.autoscaling import LLMAutoscalingPolicy
 from deployments.gateway import Gateway
 from deployments.model_pool import ModelPool
+from deployments.request_router import PrefixAwareRouter
 
 APP_NAME = "raylane"
 # At tensor-parallel size > 1 every rank is an actor; the replica itself only schedules and samples.
@@ -70,6 +73,8 @@ def pool_deployment_options(
         "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_TIMEOUT_S,
         "logging_config": serve_logging(access_log),
     }
+    if pool.routing.policy == "prefix_aware":
+        options["request_router_config"] = request_router_config(pool)
     if replicas.autoscaling:
         options["autoscaling_config"] = {
             "min_replicas": replicas.min_replicas,
@@ -78,10 +83,37 @@ def pool_deployment_options(
             "target_ongoing_requests": replicas.target_ongoing_requests,
             "upscale_delay_s": replicas.upscale_delay_s,
             "downscale_delay_s": replicas.downscale_delay_s,
+            "look_back_period_s": replicas.look_back_period_s,
+            "policy": {
+                "policy_function": LLMAutoscalingPolicy,
+                "policy_kwargs": {
+                    "target_ongoing_requests": replicas.target_ongoing_requests,
+                    "target_waiting_requests": replicas.target_waiting_requests,
+                    "target_kv_cache_usage": replicas.target_kv_cache_usage,
+                },
+            },
         }
     else:
         options["num_replicas"] = replicas.min_replicas
     return options
+
+
+def request_router_config(pool: PoolConfig) -> RequestRouterConfig:
+    """The pool's replica router (deployments/request_router.py), in every handle to the pool."""
+    routing = pool.routing
+    return RequestRouterConfig(
+        request_router_class=PrefixAwareRouter,
+        request_router_kwargs={
+            "pool": pool.name,
+            "prefix_weight": routing.prefix_weight,
+            "queue_weight": routing.queue_weight,
+            "kv_weight": routing.kv_weight,
+            "max_imbalance": routing.max_imbalance,
+            "block_chars": pool.block_chars,
+            "max_indexed_blocks": routing.max_indexed_blocks,
+        },
+        request_routing_stats_period_s=routing.stats_period_s,
+    )
 
 
 def gateway_deployment_options(config: ClusterConfig) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import ClusterConfig
+from deployments.affinity import ConversationAffinity
 from deployments.dispatch import Dispatcher, error_response
 from deployments.drain import RETRY_AFTER_S, DrainWatcher
 from deployments.embeddings import create_embeddings
@@ -144,6 +145,7 @@ class Gateway:
         self.pool_health = PoolHealth(self.pools, self.router, self.config.gateway.pool_health_period_s)
         self.dispatcher = Dispatcher(self.config, self.router, self.pools, self.pool_health, self.drain)
         self._stored_responses: StoredResponses | None = None
+        self.affinity = ConversationAffinity(self.config.router.affinity)
 
     # -- endpoints --------------------------------------------------------------------------------
 
@@ -155,9 +157,11 @@ class Gateway:
         req = await parse_body(request, ChatCompletionRequest, self.config.gateway.max_request_body_bytes)
         params, tools = await self.prepare(chat_params, req)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        resolution = await router_timed(self.router.resolve_async(req.model, messages))
+        resolution, conversation = await router_timed(
+            self.affinity.resolve(self.router, req.model, messages, req.prompt_cache_key)
+        )
         request_id = uuid.uuid4().hex
-        return await self.dispatcher.dispatch(
+        response = await self.dispatcher.dispatch(
             principal,
             resolution,
             req.n,
@@ -165,6 +169,8 @@ class Gateway:
             request_id,
             lambda pool, priority, resume: pool.chat.remote(req, params, tools, request_id, priority, resume),
         )
+        self.affinity.served(conversation, resolution, response)  # later turns of `auto` stay on its pool
+        return response
 
     @app.post("/v1/completions", **route_docs(Completion, CompletionRequest, Completion))
     async def completions(self, request: Request) -> Response:

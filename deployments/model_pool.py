@@ -130,6 +130,19 @@ class ModelPool:
         stats = await self.llm.run_in_engine(engine_stats)
         return {"pool": self.pool.name, "model": self.pool.model_id, **stats}
 
+    async def record_routing_stats(self) -> dict:
+        """Serve calls this every `routing.stats_period_s`; the pool's request router
+        (deployments/request_router.py) reads it as the replica's `routing_stats`."""
+        stats = await self.llm.run_in_engine(engine_stats)
+        return {
+            "kv_cache_usage": stats["kv_cache_usage"],
+            "num_requests_waiting": stats["num_requests_waiting"],
+        }
+
+    async def record_autoscaling_stats(self) -> dict:
+        """Serve's autoscaler collects this from every replica (deployments/autoscaling.py)."""
+        return await self.record_routing_stats()
+
     async def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy and replaces it."""
         check = getattr(self.llm, "check_health", None)

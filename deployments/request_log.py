@@ -41,6 +41,9 @@ _current: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar(
 )
 
 
+HEADER_FIELDS = ("route", "pool", "tier", "fallback", "decision")  # x-raylane-<field> -> RequestRecord
+
+
 @dataclass(slots=True)
 class RequestRecord:
     request_id: str
@@ -53,6 +56,7 @@ class RequestRecord:
     pool: str | None = None
     tier: str | None = None
     fallback: str | None = None  # x-raylane-fallback: "from;reason=why, ..."
+    decision: str | None = None  # x-raylane-decision: how `auto` chose (semantic, rule, default, sticky)
     shed: bool = False
     error_code: str | None = None
     prompt_tokens: int | None = None
@@ -90,6 +94,7 @@ class RequestRecord:
             "pool": self.pool,
             "tier": self.tier,
             "fallback": self.fallback,
+            "decision": self.decision,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
@@ -244,7 +249,7 @@ class RequestLogMiddleware:
             name = key.decode("latin-1").lower()
             if name.startswith("x-raylane-"):
                 attr = name.removeprefix("x-raylane-")
-                if attr in ("route", "pool", "tier", "fallback") and getattr(record, attr) is None:
+                if attr in HEADER_FIELDS and getattr(record, attr) is None:
                     setattr(record, attr, value.decode("latin-1") or None)
         if echo_id:  # behind Serve's proxy the header arrives and the proxy echoes it
             raw.append((REQUEST_ID_HEADER.encode(), record.request_id.encode("latin-1")))

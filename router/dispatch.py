@@ -121,7 +121,8 @@ class DispatchPlan:
         raise self._exhausted()
 
     def headers(self) -> dict[str, str]:
-        """`x-raylane-*` response headers: route, pool, tier and, where it happened, fallback."""
+        """`x-raylane-*` response headers: route, pool, tier and, where it happened, fallback and the
+        `auto` decision."""
         headers = {
             "x-raylane-route": self.resolution.route,
             "x-raylane-pool": self.pool or "",
@@ -130,6 +131,8 @@ class DispatchPlan:
         fallback = self.chain.header_value()
         if fallback:
             headers["x-raylane-fallback"] = fallback
+        if self.resolution.decision is not None:  # how `auto` chose: semantic, rule, default or sticky
+            headers["x-raylane-decision"] = self.resolution.decision.method
         return headers
 
     def _exhausted(self) -> Exception:

@@ -4,7 +4,7 @@ A leaf of the import picture: nothing here imports the rest of the project, so e
 engine, deployments, the CLI) can import it without pulling in another. The modules:
 
 - `cluster.py`: `ClusterConfig` (HTTP listener, gateway, embeddings, pools, router sections), loading;
-- `pools.py`: `PoolConfig`, `ReplicasConfig`;
+- `pools.py`: `PoolConfig`, `ReplicasConfig`, `ReplicaRoutingConfig`;
 - `engine.py`: `EngineConfig`, `SpeculativeConfig` (one engine);
 - `router.py`: routes, tiers and API keys (`router/` reads these and nothing else);
 - `model_names.py`: the demo and packaged model names a pool's `model` may take;
@@ -27,11 +27,12 @@ from cluster.config.cluster import (
 from cluster.config.engine import EngineConfig, SpeculativeConfig
 from cluster.config.errors import ConfigError, field_path, format_errors
 from cluster.config.model_names import DEMO_MODELS, DEMO_PREFIX, PACKAGED_MODELS, PackagedModel
-from cluster.config.pools import PoolConfig, ReplicasConfig
+from cluster.config.pools import PoolConfig, ReplicaRoutingConfig, ReplicasConfig
 from cluster.config.router import (
     AUTO_MODELS,
     BUILTIN_DATASET,
     FOLLOWUP_LABEL,
+    AffinityConfig,
     ApiKeysConfig,
     CircuitBreakerConfig,
     ConversationWeights,
@@ -45,6 +46,7 @@ from cluster.config.router import (
 
 __all__ = [
     "AUTO_MODELS",
+    "AffinityConfig",
     "BUILTIN_DATASET",
     "DEFAULT_CONFIG_PATH",
     "DEMO_MODELS",
@@ -64,6 +66,7 @@ __all__ = [
     "LogsConfig",
     "PackagedModel",
     "PoolConfig",
+    "ReplicaRoutingConfig",
     "ReplicasConfig",
     "RouteConfig",
     "RouterConfig",

@@ -13,8 +13,9 @@ from cluster.config.model_names import DEMO_MODELS, DEMO_PREFIX, PACKAGED_MODELS
 
 
 class ReplicasConfig(StrictModel):
-    """How many replicas a pool runs. min == max: a fixed count; otherwise Serve autoscales
-    between them on ongoing requests per replica."""
+    """How many replicas a pool runs. min == max: a fixed count; otherwise Serve autoscales between
+    them on what the engines report (deployments/autoscaling.py): the most replicas that requests in
+    flight, requests waiting in the engines or KV-cache use call for against their targets."""
 
     min_replicas: int = Field(1, ge=0, description="Fewest replicas (0 lets an idle pool scale to zero).")
     max_replicas: int = Field(1, ge=1, description="Most replicas.")
@@ -23,6 +24,21 @@ class ReplicasConfig(StrictModel):
     )
     target_ongoing_requests: float = Field(
         16, gt=0, description="Autoscaling target: requests in flight per replica."
+    )
+    target_waiting_requests: float | None = Field(
+        2.0,
+        gt=0,
+        description="Autoscaling target: requests waiting in the engines' queues per replica (the "
+        "batch is full); null: not a signal.",
+    )
+    target_kv_cache_usage: float | None = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="Autoscaling target: mean share of each replica's KV cache in use; null: not a signal.",
+    )
+    look_back_period_s: float = Field(
+        30.0, gt=0, description="Autoscaling averages the replicas' load over this window."
     )
     max_ongoing_requests: int = Field(
         64, ge=1, description="Most requests (streams included) one replica serves at once."
@@ -43,6 +59,44 @@ class ReplicasConfig(StrictModel):
     @property
     def autoscaling(self) -> bool:
         return self.min_replicas != self.max_replicas
+
+
+class ReplicaRoutingConfig(StrictModel):
+    """How the gateway picks one of a pool's replicas (deployments/request_router.py): the replica
+    whose KV cache most likely holds the request's prefix, unless its load is past a threshold.
+
+    Each replica scores `prefix_weight * match - queue_weight * ongoing - kv_weight * kv_usage`, where
+    `match` (0-1) is the share of the request's leading blocks the gateway last sent to that replica,
+    `ongoing` its requests in flight (Serve's queue-length probe) and `kv_usage` (0-1) its KV cache in
+    use (the replica's routing stats). So `prefix_weight / queue_weight` is how many more requests in
+    flight a whole-prefix match is worth."""
+
+    policy: Literal["prefix_aware", "serve_default"] = Field(
+        "prefix_aware",
+        description="`prefix_aware`: raylane's router; `serve_default`: Serve's power-of-two-choices on "
+        "queue length alone (blind to prefixes; for comparison).",
+    )
+    prefix_weight: float = Field(1.0, ge=0, description="Weight of the prefix match (0-1).")
+    queue_weight: float = Field(0.15, ge=0, description="Weight of each request in flight on the replica.")
+    kv_weight: float = Field(0.5, ge=0, description="Weight of the replica's KV-cache usage (0-1).")
+    max_imbalance: int = Field(
+        4,
+        ge=0,
+        description="A replica with this many more requests in flight than the least loaded one is not "
+        "preferred for its prefix: the request goes to the best score without the prefix term.",
+    )
+    block_chars: int | None = Field(
+        None,
+        ge=8,
+        description="Characters per hashed prompt block; default 4 x engine.block_size (about the "
+        "characters of one KV block's tokens).",
+    )
+    max_indexed_blocks: int = Field(
+        65536, ge=1, description="Prompt blocks remembered per replica (least recently routed forgotten)."
+    )
+    stats_period_s: float = Field(
+        2.0, gt=0, description="How often Serve asks each replica for its KV usage (routing stats)."
+    )
 
 
 class PoolConfig(StrictModel):
@@ -68,6 +122,9 @@ class PoolConfig(StrictModel):
     )
     replicas: ReplicasConfig = Field(
         default_factory=ReplicasConfig, description="Replica count and autoscaling."
+    )
+    routing: ReplicaRoutingConfig = Field(
+        default_factory=ReplicaRoutingConfig, description="Choosing a replica: prefix cache affinity."
     )
     use_gpu: bool = Field(
         False, description="Reserve one GPU per rank (set on GPU nodes); implied by engine.device: cuda."
@@ -144,6 +201,11 @@ class PoolConfig(StrictModel):
             model_path = os.path.expanduser(self.model)
         tokenizer = os.path.expanduser(self.engine.tokenizer) if self.engine.tokenizer else model_path
         return self.engine.model_copy(update={"model": model_path, "tokenizer": tokenizer})
+
+    @property
+    def block_chars(self) -> int:
+        """Characters per prompt block the replica router hashes (see `ReplicaRoutingConfig`)."""
+        return self.routing.block_chars or 4 * self.engine.block_size
 
     @property
     def world_size(self) -> int:

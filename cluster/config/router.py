@@ -104,6 +104,19 @@ def _unique_names(items: list, field: str) -> None:
         raise ValueError(f"{field}: names must be unique, {duplicates} repeat")
 
 
+class AffinityConfig(StrictModel):
+    """Conversation affinity for `auto`: a conversation's later turns go to the pool its earlier turns
+    were served by, without asking the classifier again (deployments/affinity.py)."""
+
+    enabled: bool = Field(True, description="Keep each `auto` conversation on one pool.")
+    ttl_s: float = Field(
+        3600.0, gt=0, description="A conversation not heard from for this long is classified afresh."
+    )
+    max_conversations: int = Field(
+        100_000, ge=1, description="Conversations each gateway replica remembers (the least recent go first)."
+    )
+
+
 class RouterConfig(StrictModel):
     """The semantic classifier, routes, fallback and admission settings."""
 
@@ -123,6 +136,7 @@ class RouterConfig(StrictModel):
     )
     quantize: bool = Field(True, description="int8 dynamic quantization of the classifier's linear layers")
     circuit_breaker: CircuitBreakerConfig = Field(default_factory=CircuitBreakerConfig)
+    affinity: AffinityConfig = Field(default_factory=AffinityConfig)
     default_max_in_flight: int = Field(
         64, ge=1, description="requests the gateway sends a pool at once unless the pool sets its own"
     )

@@ -32,6 +32,21 @@ class GatewayMetrics(MetricSet):
         self.route_decisions = Counter(
             "raylane_route_decisions", "Requests per route the router resolved.", ["route"], registry=r
         )
+        self.auto_decisions = Counter(
+            "raylane_auto_routing_decisions",
+            "`auto` requests by how the pool was chosen (semantic, rule, default, sticky) and route.",
+            ["route", "reason"], registry=r,
+        )  # fmt: skip
+        self.replica_routing = Counter(
+            "raylane_replica_routing_decisions",
+            "Requests sent to a pool replica, by why it was chosen (prefix_hit, least_loaded).",
+            ["pool", "reason"], registry=r,
+        )  # fmt: skip
+        self.scale_events = Counter(
+            "raylane_scale_events",
+            "Changes in a pool's replica count, as each gateway replica's handle saw them (up, down).",
+            ["pool", "direction"], registry=r,
+        )  # fmt: skip
         self.fallbacks = Counter(
             "raylane_fallbacks", "Requests that left a pool for the next in their fallback chain.",
             ["from_pool", "to_pool", "reason"], registry=r,
@@ -57,6 +72,8 @@ class GatewayMetrics(MetricSet):
             self.duration.labels(endpoint=record.endpoint).observe(record.latency_s)
         if record.route:
             self.route_decisions.labels(route=record.route).inc()
+        if record.route and record.decision:
+            self.auto_decisions.labels(route=record.route, reason=record.decision).inc()
         for from_pool, to_pool, reason in record.fallbacks():
             self.fallbacks.labels(from_pool=from_pool, to_pool=to_pool, reason=reason).inc()
         if record.shed:

@@ -39,6 +39,11 @@ POOL_GAUGES = [
     ("raylane_num_requests_running", "Requests in the engine's running batch.", "num_requests_running"),
     ("raylane_num_requests_waiting", "Requests waiting to be scheduled.", "num_requests_waiting"),
     ("raylane_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", "kv_cache_usage"),
+    (
+        "raylane_prefix_cache_hit_rate",
+        "Share of this replica's prompt tokens found in its prefix cache since it started (0-1).",
+        "prefix_cache_hit_rate",
+    ),
 ]
 # Engine-owned cumulative counters: (name without _total, help, key in `engine_stats()`).
 ENGINE_COUNTERS = [
@@ -64,6 +69,8 @@ def engine_stats(engine) -> dict:
         "num_preemptions": scheduler.num_preemptions,
         "prefix_cache_queries": getattr(blocks, "prefix_cache_queries", 0),
         "prefix_cache_hits": getattr(blocks, "prefix_cache_hits", 0),
+        "prefix_cache_hit_rate": getattr(blocks, "prefix_cache_hits", 0)
+        / max(1, getattr(blocks, "prefix_cache_queries", 0)),
     }
 
 

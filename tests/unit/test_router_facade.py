@@ -59,6 +59,7 @@ async def test_auto_request_gets_a_slot_priority_and_headers():
         "x-raylane-route": "coding",
         "x-raylane-pool": "coding",
         "x-raylane-tier": "premium",
+        "x-raylane-decision": "semantic",  # how `auto` chose: the classifier's method
     }
     slot.succeeded()
     assert router.pool_load("coding").in_flight == 0
