@@ -253,3 +253,26 @@ def test_unsupported_and_unknown_fields_are_named(client):
             model="chat", input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]
         )
     assert e.value.body["param"].startswith("input[0]")
+
+
+def test_with_api_keys_a_stored_response_is_its_own_keys(router_server):
+    """On the keyed router app: another key cannot read, continue or delete a response."""
+    from tests.live_servers import ROUTER_KEYS
+
+    def keyed(tier: str) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=router_server.base_url, api_key=ROUTER_KEYS[tier], max_retries=0, timeout=120
+        )
+
+    owner, other = keyed("premium"), keyed("standard")
+    r = owner.responses.create(model="coding", input="Hello", max_output_tokens=2)
+    for attempt in (
+        lambda: other.responses.retrieve(r.id),
+        lambda: other.responses.delete(r.id),
+        lambda: other.responses.create(
+            model="coding", previous_response_id=r.id, input="Hi", max_output_tokens=2
+        ),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    assert owner.responses.retrieve(r.id).id == r.id
