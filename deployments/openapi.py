@@ -93,6 +93,8 @@ def _events(chunk: type[BaseModel]) -> dict[str, Any]:
     """A stream, event by event (OpenAPI 3.1 reads `schema` of text/event-stream as one event's): its
     `data` is a chunk's JSON, an error's (a failure after the first chunk) or the final [DONE]."""
     data = {"anyOf": [{"const": "[DONE]"}, _json_text(chunk), _json_text(ErrorResponse)]}
+    if chunk is ResponseStreamEvent:  # the Responses API's typed events: `event` names each, no [DONE]
+        data["anyOf"] = data["anyOf"][1:]
     event = {"type": "object", "required": ["data"], "properties": {"data": data}}
     return {"schema": event, "description": "Server-sent events when `stream` is true"}
 
