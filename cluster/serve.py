@@ -254,10 +254,12 @@ def _drain(timeout_s: float) -> None:
 
 def _shutdown(serve, joined: bool) -> None:
     from deployments.app import APP_NAME
+    from deployments.response_store import delete_response_store
 
     try:
         if joined:  # leave other apps on a shared cluster alone
             serve.delete(APP_NAME)
+            delete_response_store(APP_NAME)  # a detached actor: it would outlive the app
             if serve.status().applications:
                 return
         serve.shutdown()

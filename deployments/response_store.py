@@ -61,6 +61,16 @@ def store_name(app_name: str) -> str:
     return f"raylane-responses-{app_name}"
 
 
+def delete_response_store(app_name: str) -> bool:
+    """End the app's store (its responses with it) when the app goes away on a cluster that stays up;
+    whether there was one."""
+    try:
+        ray.kill(ray.get_actor(store_name(app_name), namespace=NAMESPACE))
+    except ValueError:  # no such actor: the app never stored a response
+        return False
+    return True
+
+
 def response_store(app_name: str, max_entries: int, ttl_s: float):
     """The app's store actor handle, created by the first replica that asks (the others get it)."""
     actor = ray.remote(num_cpus=0, max_restarts=-1)(ResponseStore)

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(600)
 def app(api_server, demo_models):
     import ray
 
-    from deployments.response_store import NAMESPACE, store_name
+    from deployments.response_store import NAMESPACE, delete_response_store, store_name
 
     config = {
         "gateway": {"num_cpus": 0.1, "responses_max_stored": MAX_STORED},
@@ -25,7 +25,9 @@ def app(api_server, demo_models):
     }
     with deployed(api_server, APP, config) as url:
         yield url
-    ray.kill(ray.get_actor(store_name(APP), namespace=NAMESPACE))  # detached: it would outlive the app
+    assert delete_response_store(APP)  # detached: it would outlive the app
+    with pytest.raises(ValueError):
+        ray.get_actor(store_name(APP), namespace=NAMESPACE)
 
 
 @pytest.fixture(scope="module")
