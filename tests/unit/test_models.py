@@ -375,7 +375,6 @@ def test_fused_moe_expert_parallel_ranks_sum_to_the_full_layer():
     torch.testing.assert_close(run(0, 2, False) + run(1, 2, False), full)
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_moe_grouped_path_matches_the_per_expert_path(dtype):
     """The CUDA path (both expert GEMMs as grouped GEMMs, no host sync) against the per-expert loop,
@@ -395,6 +394,7 @@ def test_fused_moe_grouped_path_matches_the_per_expert_path(dtype):
         grouped = moe._forward_grouped(x, ids, weights)
         torch.testing.assert_close(grouped, moe._forward_per_expert(x, ids, weights), **tol)
         assert grouped.abs().sum() > 0
+
 
 # --- real tensor and expert parallelism: 2 gloo ranks --------------------------------------
 
