@@ -18,7 +18,7 @@ TTFT (request sent -> first generated text, streamed with the `openai` client). 
 rate >= 0.9x the single replica's; prompt tokens computed >= 1.5x fewer and mean TTFT >= 1.5x lower
 than under Serve's default router.
 
-    raylane bench affinity                       # the demo Llama; about 3-4 minutes on two cores
+    raylane bench affinity                       # the demo Llama; 2-5 minutes on two shared cores
     raylane bench affinity --rounds 4 --out /tmp/affinity.json
 """
 
@@ -118,7 +118,9 @@ def workload(prompts: int, rounds: int, per_round: int, chars: int, seed: int) -
     return batches
 
 
-def pool_config(policy: str, replicas: int, kv_blocks: int, model: str) -> ClusterConfig:
+def pool_config(
+    policy: str, replicas: int, kv_blocks: int, model: str, routing: dict[str, Any] | None = None
+) -> ClusterConfig:
     engine = {"max_num_seqs": 8, "num_kv_blocks": kv_blocks, "cpus_per_rank": 0.5, "seed": 0}
     return ClusterConfig.from_dict(
         {
@@ -130,7 +132,7 @@ def pool_config(policy: str, replicas: int, kv_blocks: int, model: str) -> Clust
                     "model": model,
                     "engine": engine,
                     "replicas": {"min_replicas": replicas, "max_replicas": replicas},
-                    "routing": {"policy": policy},
+                    "routing": {"policy": policy, **(routing or {})},
                 }
             ],
             "tiers": [{"name": "bench", "priority": 0, "max_queue_depth": 1024, "max_queue_wait_s": 600}],
@@ -224,7 +226,7 @@ def goals(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEMO_MODEL, help="the pool's model (default: the demo Llama)")
     parser.add_argument("--prompts", type=int, default=8, help="distinct system prompts")
-    parser.add_argument("--prompt-chars", type=int, default=4000, help="characters per system prompt")
+    parser.add_argument("--prompt-chars", type=int, default=2000, help="characters per system prompt")
     parser.add_argument("--rounds", type=int, default=6, help="batches per app, alternated")
     parser.add_argument("--per-round", type=int, default=16, help="requests per batch")
     parser.add_argument("--concurrency", type=int, default=8)
@@ -232,8 +234,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-blocks", type=int, default=320, help="KV blocks per replica of the pool (the single: twice)"
     )
+    parser.add_argument(
+        "--max-imbalance",
+        type=int,
+        default=None,
+        help="routing.max_imbalance of raylane's pool (default: the config's)",
+    )
+    parser.add_argument(
+        "--queue-weight",
+        type=float,
+        default=None,
+        help="routing.queue_weight of raylane's pool (default: the config's)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/affinity.json"))
+
+
+def routing_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    knobs = {"max_imbalance": args.max_imbalance, "queue_weight": args.queue_weight}
+    return {k: v for k, v in knobs.items() if v is not None}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -241,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
 
     batches = workload(args.prompts, args.rounds, args.per_round, args.prompt_chars, args.seed)
     configs = {
-        "raylane": pool_config("prefix_aware", 2, args.kv_blocks, args.model),
+        "raylane": pool_config("prefix_aware", 2, args.kv_blocks, args.model, routing_overrides(args)),
         "serve-default": pool_config("serve_default", 2, args.kv_blocks, args.model),
         "single": pool_config("prefix_aware", 1, 2 * args.kv_blocks, args.model),
     }

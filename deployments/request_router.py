@@ -160,7 +160,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         prefix_weight: float = 1.0,
         queue_weight: float = 0.15,
         kv_weight: float = 0.5,
-        max_imbalance: int = 4,
+        max_imbalance: int = 8,
         block_chars: int = 64,
         max_indexed_blocks: int = 65536,
         **_: Any,

@@ -80,7 +80,7 @@ class ReplicaRoutingConfig(StrictModel):
     queue_weight: float = Field(0.15, ge=0, description="Weight of each request in flight on the replica.")
     kv_weight: float = Field(0.5, ge=0, description="Weight of the replica's KV-cache usage (0-1).")
     max_imbalance: int = Field(
-        4,
+        8,
         ge=0,
         description="A replica with this many more requests in flight than the least loaded one is not "
         "preferred for its prefix: the request goes to the best score without the prefix term.",
