@@ -19,6 +19,10 @@ Parts, each with its goal (a goal that is not met is written as such, with the m
    config with prefix caching off (A) and on (B), alternated (bench/compare.py): TTFT p50 >= 3x lower.
 5. sweep: throughput and latency at concurrency 1, 2, 4, ... up to the pool's max_num_seqs
    (bench/serve.py): output tokens/s rising with concurrency.
+6. affinity: one pool of two replicas under raylane's prefix-aware router against Serve's default
+   router and one replica of both replicas' KV cache, alternated, in apps of its own (bench/affinity.py):
+   hit rate >= 0.9x the single replica's, prompt tokens computed >= 1.5x fewer and mean TTFT >= 1.5x
+   lower than under Serve's default router.
 
 Parts 2-5 run against two apps this command deploys in one in-process Ray + Serve (bench/apps.py,
 configs from bench/serving.py, written to OUT/configs/): `main` (prefix caching on) and `nocache`.
@@ -47,7 +51,7 @@ from typing import Any
 from bench.common import OtherLoad, machine_info, process_tree_cpu_s, write_json
 from cluster.model_sources import engine_config, model_path
 
-PARTS = ("engine", "overhead", "routing", "prefix", "sweep")
+PARTS = ("engine", "overhead", "routing", "prefix", "sweep", "affinity")
 REPO = Path(__file__).resolve().parent.parent
 DOCS = {"summary": "README.md", "full": "bench/README.md"}
 KEPT_JSON = "bench/results/report.json"  # under --docs-root; what --update-docs checks in beside the docs
@@ -246,6 +250,19 @@ def checkpoint_params(path: str | Path) -> int:
     return total
 
 
+def run_affinity(args: argparse.Namespace) -> dict[str, Any]:
+    import bench.affinity as affinity_bench
+
+    parser = argparse.ArgumentParser()
+    affinity_bench.add_arguments(parser)
+    argv = ["--out", str(args.out / "affinity.json"), "--seed", str(args.seed)]
+    argv += ["--model", args.model] if args.model else []
+    argv += ["--rounds", "2"] if args.quick else []
+    affinity_bench.run(parser.parse_args(argv))
+    result = json.loads((args.out / "affinity.json").read_text())
+    return {k: result[k] for k in ("results", "goals", "settings")}
+
+
 def run_serving_parts(args: argparse.Namespace, report: dict[str, Any], todo: list[str]) -> None:
     from bench.apps import LocalServe
     from bench.serve_floor import floor_app
@@ -308,9 +325,11 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if "engine" in todo:  # first, alone: no idle Ray processes beside it
         report["parts"]["engine"] = measured("engine", lambda: run_engine(args))
-    serving = [p for p in todo if p != "engine"]
+    serving = [p for p in todo if p not in ("engine", "affinity")]
     if serving:
         run_serving_parts(args, report, serving)
+    if "affinity" in todo:  # apps of its own: two-replica pools and a single replica
+        report["parts"]["affinity"] = measured("affinity", lambda: run_affinity(args))
     overhead = report["parts"].get("overhead", {})
     if "overhead" in todo and "error" not in overhead:
         other = "proxy" if overhead["summary"]["ingress"] == "haproxy" else "haproxy"

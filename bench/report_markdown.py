@@ -290,12 +290,50 @@ def rising_text(part: dict[str, Any]) -> str:
     return text + (f"; not rising: {'; '.join(steps)}" if steps else ", rising at every step")
 
 
+def affinity_section(part: dict[str, Any]) -> str:
+    results, goals, settings = part["results"], part["goals"], part["settings"]
+    labels = {
+        "raylane": "2 replicas, raylane's router",
+        "serve-default": "2 replicas, Serve's default router",
+        "single": "1 replica, the KV cache of both (reference)",
+    }
+    single = results["single"]["hit_rate"]
+    rows = [
+        [
+            labels[name],
+            f"{r['hit_rate']:.2f}",
+            f"{r['hit_rate'] / single:.2f}x" if single else "?",
+            f"{r['computed_tokens']:,}",
+            "?" if r["mean_ttft_s"] is None else f"{1000 * r['mean_ttft_s']:.0f} ms",
+        ]
+        for name, r in results.items()
+    ]
+    return "\n\n".join(
+        [
+            "#### 6. Replica affinity: prefix-aware routing against Serve's default router",
+            f"One pool of two replicas, {settings['prompts']} shared system prompts of "
+            f"{settings['prompt_chars']} characters, short user turns, "
+            f"concurrency {settings['concurrency']}, "
+            f"{settings['rounds']} rounds of {settings['per_round']} requests per app, alternated "
+            f"(bench/affinity.py); other load {pct(part.get('other_load'))}.",
+            table(["router", "hit rate", "vs one replica", "prompt tokens computed", "mean TTFT"], rows),
+            "; ".join(f"{name}: {_goal(g)}" for name, g in goals.items()) + ".",
+        ]
+    )
+
+
+def _goal(goal: dict[str, Any]) -> str:
+    value = "?" if goal["value"] is None else f"{goal['value']:.2f}x"
+    return f"{value} (goal {goal['goal']}x: {met(goal['met'])})"
+
+
 SECTIONS = {
     "engine": engine_section,
     "overhead": overhead_section,
     "routing": routing_section,
     "prefix": prefix_section,
     "sweep": sweep_section,
+    "affinity": affinity_section,
 }
 TITLES = {
     "engine": "1. Engine",
@@ -303,6 +341,7 @@ TITLES = {
     "routing": "3. `auto` routing",
     "prefix": "4. Prefix cache",
     "sweep": "5. Concurrency sweep",
+    "affinity": "6. Replica affinity",
 }
 
 
@@ -373,6 +412,15 @@ def summary_rows(report: dict[str, Any]) -> list[list[str]]:
             f"{last['output_throughput']:.0f} at {last['concurrency']}"
         )
         rows.append(["output tokens/s across concurrency", "rising", measured, met(w["goal_met"])])
+    if a := ok("affinity"):
+        g = a["goals"]
+        for key, what, goal in (
+            ("hit_rate_vs_single", "two replicas' prefix-cache hit rate against one replica's", ">= 0.9x"),
+            ("computed_fewer_x", "prompt tokens computed, Serve's router / raylane's", ">= 1.5x"),
+            ("ttft_lower_x", "mean TTFT, Serve's router / raylane's", ">= 1.5x"),
+        ):
+            value = "?" if g[key]["value"] is None else f"{g[key]['value']:.2f}x"
+            rows.append([what, goal, value, met(g[key]["met"])])
     return rows
 
 

@@ -216,7 +216,7 @@ def test_bench_report_writes_tables_and_rewrites_only_the_marked_sections(
     code, out, err = bench(
         capsys,
         "report",
-        *("--out", str(out_dir), "--quick", "--skip", "engine", "--num-prompts", "4"),
+        *("--out", str(out_dir), "--quick", "--skip", "engine,affinity", "--num-prompts", "4"),
         *("--model", str(demo_models[MODEL]), "--update-docs", "--docs-root", str(docs)),
     )
     assert code == 0, err

@@ -94,7 +94,10 @@ def test_skipped_and_failed_parts_say_so_instead_of_showing_figures():
     assert "#### 3. `auto` routing\n\nNot measured: the part failed (RuntimeError: boom)." in full
     assert "rising at every step (goal: rising with concurrency: met)" in full
     summary = summary_markdown(good)
-    assert "Not measured in this run: 1. Engine, 2. Serving overhead, 3. `auto` routing." in summary
+    assert (
+        "Not measured in this run: 1. Engine, 2. Serving overhead, 3. `auto` routing, 6. Replica affinity."
+        in summary
+    )
     assert "| prefix-cache TTFT p50 gain (cache on vs off) | >= 3x | 7.0x | met |" in summary
 
 
@@ -171,3 +174,31 @@ def test_a_report_that_updates_the_docs_names_its_checked_in_json():
     assert "JSON: `bench/results/report.json`." in full_markdown(data)
     assert "JSON: `bench/results/report.json`." in summary_markdown(data)
     assert "bench/results/report.json" not in full_markdown(report([(1, 100.0), (2, 150.0)], gain=6.0))
+
+
+def test_the_replica_affinity_part_reports_its_three_goals():
+    """The part as `raylane bench affinity` writes it (a made-up run: one goal missed)."""
+    from bench.affinity import goals
+
+    def side(hit_rate: float, computed: int, ttft_s: float) -> dict:
+        return {"hit_rate": hit_rate, "computed_tokens": computed, "mean_ttft_s": ttft_s, "requests": 96}
+
+    results = {
+        "raylane": side(0.8, 1000, 0.3),
+        "serve-default": side(0.5, 4000, 0.4),
+        "single": side(0.85, 900, 0.2),
+    }
+    settings = {"prompts": 8, "prompt_chars": 2000, "concurrency": 8, "rounds": 6, "per_round": 16}
+    run = report(sweep=[(1, 100.0), (2, 180.0)], gain=7.0)
+    run["parts"]["affinity"] = {
+        "results": results,
+        "goals": goals(results),
+        "settings": settings,
+        "other_load": 0.05,
+    }
+    summary, full = summary_markdown(run), full_markdown(run)
+    assert "| two replicas' prefix-cache hit rate against one replica's | >= 0.9x | 0.94x | met |" in summary
+    assert "| prompt tokens computed, Serve's router / raylane's | >= 1.5x | 4.00x | met |" in summary
+    assert "| mean TTFT, Serve's router / raylane's | >= 1.5x | 1.33x | **NOT met** |" in summary
+    assert "| 2 replicas, Serve's default router | 0.50 | 0.59x | 4,000 | 400 ms |" in full
+    assert "6. Replica affinity" not in summary.split("Not measured in this run:")[-1]
