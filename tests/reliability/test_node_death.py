@@ -4,7 +4,9 @@ A Ray cluster of two raylets on this machine (apart from the session's Ray): the
 gateway and pool `backup`, the worker pool `primary`, each pinned by a resource only its node
 advertises (as on KubeRay). Killing the worker's process group (raylet, workers, agents: the node
 is gone at once) must move `primary`'s traffic to `backup`, with the fallback header; every request
-is answered. A new worker node joins; Serve places `primary` on it and traffic returns.
+is answered, and the streams running on `primary` at the kill are not cut: they resume on `backup`,
+which serves the same checkpoint (deployments/resumption.py), each token-identical to its undisturbed
+run. A new worker node joins; Serve places `primary` on it and traffic returns.
 """
 
 import json
@@ -29,6 +31,7 @@ from tests.reliability.conftest import llama_pool
 pytestmark = pytest.mark.timeout(900)
 RAY = str(Path(sys.executable).with_name("ray"))
 HELLO = {"model": "primary", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+STREAMS, TOKENS = 2, 200
 
 
 class TwoNodeCluster:
@@ -144,8 +147,59 @@ def chat(url: str) -> tuple[int, str, str | None]:
     return r.status_code, r.headers.get("x-raylane-pool", ""), r.headers.get("x-raylane-fallback")
 
 
+class Stream(threading.Thread):
+    """One greedy stream of TOKENS tokens: its text, finish reason, usage and chunks so far."""
+
+    def __init__(self, url: str, i: int) -> None:
+        super().__init__()
+        self.url, self.i = url, i
+        self.text, self.finish, self.usage, self.chunks, self.error = "", None, None, 0, None
+        self.going = threading.Event()
+
+    def run(self) -> None:
+        body = {
+            "model": "primary",
+            "messages": [{"role": "user", "content": f"story {self.i}"}],
+            "max_tokens": TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        try:
+            with httpx2.stream("POST", f"{self.url}/v1/chat/completions", json=body, timeout=240) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line.removeprefix("data: "))
+                    if "error" in event:
+                        self.error = event["error"]
+                    self.usage = event.get("usage") or self.usage
+                    for choice in event.get("choices", []):
+                        self.text += choice["delta"].get("content") or ""
+                        self.finish = choice["finish_reason"] or self.finish
+                    self.chunks += 1
+                    if self.chunks >= 10:
+                        self.going.set()
+        except httpx2.HTTPError as e:
+            self.error = repr(e)
+        finally:
+            self.going.set()
+
+
+def streams(url: str) -> list[Stream]:
+    started = [Stream(url, i) for i in range(STREAMS)]
+    for s in started:
+        s.start()
+    return started
+
+
 def test_traffic_moves_to_the_fallback_when_a_node_dies_and_returns_with_it(cluster, report):
     assert chat(cluster.url)[:2] == (200, "primary")
+    undisturbed = streams(cluster.url)
+    for s in undisturbed:
+        s.join(timeout=240)
+    assert [(s.finish, s.error) for s in undisturbed] == [("length", None)] * STREAMS
     answers: list[tuple[float, int, str, str | None]] = []
     stop = threading.Event()
 
@@ -156,10 +210,15 @@ def test_traffic_moves_to_the_fallback_when_a_node_dies_and_returns_with_it(clus
 
     sender = threading.Thread(target=steady_traffic)
     sender.start()
+    in_flight: list[Stream] = []
     try:
         time.sleep(1)
+        in_flight = streams(cluster.url)
+        for s in in_flight:
+            assert s.going.wait(120), "a stream did not get going"
         cluster.kill_worker()
         killed = time.monotonic()
+        cut_at_kill = sum(s.finish is not None or s.error is not None for s in in_flight)
         wait_until(lambda: any(t > killed and pool == "backup" for t, _, pool, _ in answers), 120, "fallback")
         fell_back = next(t for t, _, pool, _ in answers if t > killed and pool == "backup") - killed
         time.sleep(2)
@@ -172,9 +231,17 @@ def test_traffic_moves_to_the_fallback_when_a_node_dies_and_returns_with_it(clus
     finally:
         stop.set()
         sender.join(timeout=150)
+        for s in in_flight:
+            s.join(timeout=240)
+    assert cut_at_kill == 0  # every stream was still running when the node died
+    # No stream was cut: each went on (on `backup`) and is its undisturbed run, token for token.
+    assert [s.error for s in in_flight] == [None] * STREAMS
+    for before, after in zip(undisturbed, in_flight, strict=True):
+        assert (after.finish, after.text) == ("length", before.text)
+        assert after.usage["completion_tokens"] == TOKENS
     statuses = [status for _, status, _, _ in answers]
     assert 0 not in statuses  # every request got an HTTP answer: none lost or hung
-    assert statuses.count(200) == len(statuses), statuses  # the request in flight at the kill included
+    assert statuses.count(200) == len(statuses), answers  # the request in flight at the kill included
     # Requests sent after the kill: `primary` may answer a few while its replica process outlives the
     # raylet by a moment; from the first fallback on, every answer comes from `backup`, saying why.
     after_kill = [
@@ -187,6 +254,8 @@ def test_traffic_moves_to_the_fallback_when_a_node_dies_and_returns_with_it(clus
         "node death",
         sent=len(answers),
         lost=0,
+        streams_in_flight=STREAMS,
+        streams_cut=0,
         status_5xx=len(statuses) - statuses.count(200),
         first_fallback_after_s=round(fell_back, 1),
         primary_back_after_node_joined_s=round(recovered, 1),
