@@ -36,6 +36,14 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )  # fmt: skip
 
 
+def template_variables_only(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`chat_template_kwargs` that set only the template's variables (RESERVED_TEMPLATE_KWARGS)."""
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs or {}))
+    if reserved:
+        raise ValueError(f"may set the chat template's variables only, not {', '.join(reserved)}")
+    return kwargs
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -261,10 +269,7 @@ class ChatCompletionRequest(SamplingRequest):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables_only(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs or {}))
-        if reserved:
-            raise ValueError(f"may set the chat template's variables only, not {', '.join(reserved)}")
-        return kwargs
+        return template_variables_only(kwargs)
 
     @property
     def max_output_tokens(self) -> int | None:

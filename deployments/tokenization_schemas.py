@@ -13,11 +13,11 @@ from pydantic import Field, field_validator, model_validator
 
 from deployments.openai_schemas import (
     MAX_MESSAGES,
-    RESERVED_TEMPLATE_KWARGS,
     ChatMessage,
     Tool,
     _Request,
     _Response,
+    template_variables_only,
 )
 
 # Token ids a detokenize request may carry: bounded like a prompt (the body limit bounds it too).
@@ -44,10 +44,7 @@ class TokenizeChatRequest(_Request):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables_only(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs or {}))
-        if reserved:
-            raise ValueError(f"may set the chat template's variables only, not {', '.join(reserved)}")
-        return kwargs
+        return template_variables_only(kwargs)
 
     @model_validator(mode="after")
     def _one_ending(self) -> TokenizeChatRequest:
