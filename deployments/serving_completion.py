@@ -166,7 +166,9 @@ class OpenAIServingCompletion(OpenAIServing):
             for index in range(len(offsets)):
                 num_tokens[index] = len(state.token_ids.get(index, ()))
                 finished[index] = index in state.finish_reasons
-                offsets[index] += len(resumed.shown.get(index, ""))
+                # Offsets count token strings, as `_completion_logprobs` does (the text sent can hold
+                # back a partial character): the same offsets however the tokens were chunked.
+                offsets[index] += sum(len(self.tokenizer.decode([t])) for t in state.token_ids.get(index, ()))
         item = StreamItem("")
         async for position, out in _merge([chain(first, gen) for first, gen in started]):
             k = prompts[position]
@@ -177,9 +179,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 num_tokens[index] += len(comp.token_ids)
                 item.token_ids.setdefault(index, []).extend(comp.token_ids)
                 logprobs = _completion_logprobs(comp, params, offsets[index])
+                if logprobs is not None and logprobs.tokens:
+                    offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                 if comp.text or logprobs is not None:
                     events.append(chunk(index, comp.text, logprobs))
-                    offsets[index] += len(comp.text)
                 if comp.finished:
                     finished[index] = True
                     item.finish_reasons[index] = comp.finish_reason
