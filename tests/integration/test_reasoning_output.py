@@ -201,6 +201,7 @@ def make_thinking_checkpoint(path: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from cluster.demo_models import ASSETS, load_tokenizer
+    from tests.hf_models import TINY_CONFIG
 
     tokenizer = load_tokenizer()
     tokenizer.add_tokens(["<think>", "</think>"])
@@ -209,19 +210,16 @@ def make_thinking_checkpoint(path: Path) -> Path:
     assert opening in template
     tokenizer.chat_template = template.replace(opening, "{{- '<|im_start|>assistant\\n<think>\\n' -}}")
     config = LlamaConfig(
-        vocab_size=-(-len(tokenizer) // 64) * 64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        initializer_range=0.15,
-        bos_token_id=None,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        tie_word_embeddings=True,
-        dtype="float32",
+        **TINY_CONFIG
+        | dict(
+            vocab_size=-(-len(tokenizer) // 64) * 64,
+            initializer_range=0.15,
+            bos_token_id=None,
+            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            pad_token_id=None,
+            tie_word_embeddings=True,
+            dtype="float32",
+        )
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
