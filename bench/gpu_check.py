@@ -15,7 +15,11 @@ The checks, each with its goal:
 - **bandwidth floor**: a decode step's time against what reading the weights and the batch's KV once
   costs at the bandwidth a device-to-device copy reaches here (how close to memory-bound a step is);
 - **serving**: `raylane serve`'s pool on this device (through Ray Serve, the gateway and HTTP),
-  swept at a few concurrencies.
+  swept at a few concurrencies;
+- **attention kernel**: the flash_varlen backend (FlashAttention-2 reading the KV pages in place)
+  against the torch backend on one mixed batch (decodes and prefill chunks, GQA, a sliding window),
+  and a decode step's attention time on each. The engine checks above run on the backend `auto`
+  picks here, reported with the machine.
 
 It writes `gpu_check.json` and `gpu_check.md` (the table bench/README.md includes) into `--out`.
 """
@@ -68,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         "checks": [],
     }
     checks = report["checks"]
+    checks.append(attention_kernel(device, dtype, report["machine"]))
     for family, path in models.items():
         if family != "llama-draft":
             checks.append(parity(family, path, device, dtype, sizes["parity_tokens"]))
@@ -316,6 +321,86 @@ def bandwidth_floor(path: str, device: str, dtype, batch: int, context: int = 51
         "goal": "reported",
         "ok": None,
     }
+
+
+def attention_kernel(device: str, dtype, machine: dict[str, Any]) -> dict[str, Any]:
+    """flash_varlen against the torch backend on one mixed batch, and both backends' time for the
+    attention of a decode step at batch 64 x 4096 context (one layer, 32 query / 8 KV heads of 128)."""
+    import torch
+
+    from models.attention import build_attention_metadata, paged_attention
+    from models.paged_kernel import PAGE_MULTIPLE, select_attention_backend
+
+    heads, kv_heads, dim, block = 32, 8, 128, PAGE_MULTIPLE
+    backend = select_attention_backend("auto", torch.device(device), dtype, dim, block)
+    machine["attention_backend"] = backend
+    check = "attention: flash_varlen vs torch backend (max |diff|)"
+    if backend != "flash_varlen":
+        return not_run(check, f"auto picks {backend} here")
+    g = torch.Generator(device).manual_seed(0)
+    context_lens, query_lens = [700, 5, 257, 600, 300, 1], [1, 1, 1, 44, 300, 1]
+    order = torch.randperm(16, generator=g, device=device).tolist()
+    tables = []
+    for ctx in context_lens:
+        tables.append(order[: -(-ctx // block)])
+        order = order[len(tables[-1]) :]
+    n = sum(query_lens)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype)
+
+    q, k, v, cache = (
+        rand(n, heads, dim),
+        rand(n, kv_heads, dim),
+        rand(n, kv_heads, dim),
+        rand(2, 16, block, kv_heads, dim),
+    )
+    worst = 0.0
+    for window in (None, 300):
+        outs = [
+            paged_attention(
+                q, k, v, cache[0].clone(), cache[1].clone(),
+                build_attention_metadata(tables, context_lens, query_lens, block, device, window, name),
+                dim**-0.5,
+            )
+            for name in ("torch", "flash_varlen")
+        ]  # fmt: skip
+        worst = max(worst, (outs[0].float() - outs[1].float()).abs().max().item())
+    timing = ", ".join(f"{name} {ms:.3f} ms" for name, ms in decode_attention_ms(device, dtype).items())
+    return {
+        "check": check,
+        "value": f"{worst:.4f}; decode attention at batch 64 x 4096: {timing}",
+        "goal": "<= 0.02 (bf16)",
+        "ok": worst <= 0.02,
+    }
+
+
+def decode_attention_ms(device: str, dtype, batch: int = 64, context: int = 4096) -> dict[str, float]:
+    """One layer's decode attention (32/8 heads of 128) on each backend, in ms."""
+    import torch
+
+    from models.attention import build_attention_metadata, paged_attention
+
+    heads, kv_heads, dim, block = 32, 8, 128, 256
+    pages = context // block
+    k_cache = torch.randn(batch * pages, block, kv_heads, dim, device=device, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    tables = [list(range(i * pages, (i + 1) * pages)) for i in range(batch)]
+    q = torch.randn(batch, heads, dim, device=device, dtype=dtype)
+    k, v = (
+        torch.randn(batch, kv_heads, dim, device=device, dtype=dtype),
+        torch.randn(batch, kv_heads, dim, device=device, dtype=dtype),
+    )
+    times = {}
+    for name in ("torch", "flash_varlen"):
+        meta = build_attention_metadata(tables, [context] * batch, [1] * batch, block, device, backend=name)
+        for _ in range(3):
+            paged_attention(q, k, v, k_cache, v_cache, meta, dim**-0.5)
+        start = synchronized_time(device)
+        for _ in range(10):
+            paged_attention(q, k, v, k_cache, v_cache, meta, dim**-0.5)
+        times[name] = (synchronized_time(device) - start) / 10 * 1e3
+    return times
 
 
 def copy_bandwidth(device: str, gib: float = 1.0) -> float:

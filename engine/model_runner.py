@@ -17,6 +17,7 @@ from engine.memory_profile import DraftReservation, MemoryReport, kv_cache_split
 from models import load_model
 from models.attention import build_attention_metadata
 from models.gguf import checkpoint_dir
+from models.paged_kernel import select_attention_backend
 from parallel.onednn import packed_bytes
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,11 @@ class ModelRunner:
         )
         self.block_size = config.block_size
         self.num_blocks = 0  # until allocate_kv_cache
+        head_dim = self.model.kv_cache_shape_per_block(1)[-1]
+        self.attention_backend = select_attention_backend(
+            config.attention_backend, self.device, self.dtype, head_dim, self.block_size
+        )
+        logger.info("attention backend: %s", self.attention_backend)
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's weights: parameters (a tied embedding counted once) and packed weights."""
@@ -164,6 +170,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             sliding_window=self.model.sliding_window,
+            backend=self.attention_backend,
         )
         input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)

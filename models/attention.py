@@ -4,9 +4,12 @@ The engine describes one step's batch with an `AttentionMetadata` (built once pe
 step, shared by every layer); each layer's `Attention` writes the new tokens' keys
 and values into its cache blocks and attends over the request's whole context.
 
-The implementation is plain torch (gather the context through the block table, then
-`scaled_dot_product_attention` with a mask), so it runs on CPU and CUDA alike. A
-faster GPU kernel replaces `paged_attention` without touching the models.
+Two backends (`engine.attention_backend`), chosen once per engine:
+- torch: gather each group's context through the block table, padded to its longest, then
+  `scaled_dot_product_attention` with a mask. Runs anywhere; the CPU's path.
+- flash_varlen (CUDA): FlashAttention-2 reads the pages in place, every request of the step in one
+  call with no padding (`models/paged_kernel.py`).
+The metadata says which: `groups` for torch, `paged` for flash_varlen.
 """
 
 from dataclasses import dataclass
@@ -15,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.paged_kernel import PagedKernelArgs, build_paged_args, paged_varlen_attention
 from parallel import onednn
 
 
@@ -44,12 +48,14 @@ class AttentionMetadata:
     """One step's batch layout; tokens of all requests are flattened to N rows.
 
     slot_mapping: [N] cache slot (block_id * block_size + offset) each new token's K/V goes to.
-    groups: decoding requests attend in one group; each prefill chunk in its own, so a long
-    prompt never pads every decode query of the step to its length.
+    groups: (torch backend) decoding requests attend in one group; each prefill chunk in its own,
+    so a long prompt never pads every decode query of the step to its length.
+    paged: (flash_varlen backend) the kernel's arguments for the whole step; groups is empty then.
     """
 
     slot_mapping: torch.Tensor
     groups: list[AttentionGroup]
+    paged: PagedKernelArgs | None = None
 
 
 def build_attention_metadata(
@@ -59,9 +65,15 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device | str = "cpu",
     sliding_window: int | None = None,
+    backend: str = "torch",
 ) -> AttentionMetadata:
     """Describe a batch where request i computes its last `query_lens[i]` tokens of
-    `context_lens[i]` (cached prefix + new tokens), its KV in `block_tables[i]`."""
+    `context_lens[i]` (cached prefix + new tokens), its KV in `block_tables[i]`, for the attention
+    `backend` (torch or flash_varlen)."""
+    if backend == "flash_varlen":
+        slots = new_token_slots(block_tables, context_lens, query_lens, block_size)
+        paged = build_paged_args(block_tables, context_lens, query_lens, device, sliding_window)
+        return AttentionMetadata(slot_mapping=slots.to(device), groups=[], paged=paged)
     decodes = [i for i, n in enumerate(query_lens) if n == 1]
     members = ([decodes] if decodes else []) + [[i] for i, n in enumerate(query_lens) if n > 1]
     starts = [0]
@@ -84,6 +96,18 @@ def build_attention_metadata(
         group.attn_mask = group.attn_mask.to(device)
         groups.append(group)
     return AttentionMetadata(slot_mapping=slot_mapping.to(device), groups=groups)
+
+
+def new_token_slots(
+    block_tables: list[list[int]], context_lens: list[int], query_lens: list[int], block_size: int
+) -> torch.Tensor:
+    """[N] cache slot of each new token: block_tables[i][pos // block_size] * block_size + pos % block_size
+    for positions context_lens[i] - query_lens[i] .. context_lens[i] - 1 of request i."""
+    parts = []
+    for table, ctx, n in zip(block_tables, context_lens, query_lens, strict=True):
+        pos = torch.arange(ctx - n, ctx)
+        parts.append(torch.tensor(table)[pos // block_size] * block_size + pos % block_size)
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
 
 def _build_group(
@@ -137,6 +161,8 @@ def paged_attention(
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
     flat_k.index_copy_(0, meta.slot_mapping, k)
     flat_v.index_copy_(0, meta.slot_mapping, v)
+    if meta.paged is not None:
+        return paged_varlen_attention(q, k_cache, v_cache, meta.paged, scale)
     if len(meta.groups) == 1:
         return _attend(q, flat_k, flat_v, meta.groups[0], scale)
     out = torch.empty_like(q)

@@ -64,7 +64,19 @@ class EngineConfig(StrictModel):
     speculative_config: SpeculativeConfig | None = Field(
         None, description="Speculative decoding (ngram prompt lookup or a draft model); None: off."
     )
-    block_size: int = Field(16, ge=1, le=256, description="Tokens per KV cache block.")
+    block_size: int = Field(
+        16,
+        ge=1,
+        le=256,
+        description="Tokens per KV cache block. Default 16; 256 with device: cuda (fp16/bf16) where "
+        "attention_backend is auto or flash_varlen, whose paged kernel needs pages of a multiple of 256.",
+    )
+    attention_backend: Literal["auto", "torch", "flash_varlen"] = Field(
+        "auto",
+        description="torch: gather each request's context (padded) and SDPA with a mask, on any device; "
+        "flash_varlen: FlashAttention-2 reading the KV pages in place, one call per step (CUDA, sm80+, "
+        "fp16/bf16, block_size a multiple of 256, torch 2.13+). auto: flash_varlen where it can run.",
+    )
     max_num_seqs: int = Field(64, ge=1, description="Most requests in one batch.")
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="Token budget of one step; longer prompts are prefilled in chunks."
@@ -147,6 +159,34 @@ class EngineConfig(StrictModel):
         """Whether AsyncLLM runs this engine in a process of its own."""
         one_rank_here = self.distributed_executor_backend != "ray" and self.world_size == 1
         return self.engine_core == "process" or (self.engine_core == "auto" and one_rank_here)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cuda_block_size(cls, data):
+        """On CUDA the flash_varlen kernel's pages are the cache blocks: 256 tokens unless set."""
+        if not isinstance(data, dict) or data.get("block_size") is not None:
+            return data
+        flash = data.get("attention_backend") == "flash_varlen" or (
+            data.get("device") == "cuda"
+            and data.get("attention_backend", "auto") == "auto"
+            and data.get("dtype", "auto") != "float32"
+        )
+        return {**data, "block_size": 256 if flash else 16}
+
+    @model_validator(mode="after")
+    def _flash_varlen_pages(self) -> "EngineConfig":
+        if self.attention_backend != "flash_varlen":
+            return self
+        if self.device == "cpu":
+            raise ValueError("attention_backend: flash_varlen is a CUDA kernel; use 'torch' or 'auto' on CPU")
+        if self.block_size % 256:
+            raise ValueError(
+                f"block_size: attention_backend flash_varlen reads KV pages of a multiple of 256 tokens "
+                f"(FlashAttention-2's paged kernel), got {self.block_size}; use 256"
+            )
+        if self.dtype == "float32":
+            raise ValueError("dtype: attention_backend flash_varlen runs in bfloat16 or float16, not float32")
+        return self
 
     @model_validator(mode="after")
     def _one_rank_in_process(self) -> "EngineConfig":
