@@ -29,16 +29,24 @@ def exported_sample_names() -> set[str]:
         )
     pool.set_engine_stats(
         {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage": 0.0}
-        | {"prefix_cache_queries": 2, "prefix_cache_hits": 0, "num_preemptions": 0}
+        | {
+            "prefix_cache_queries": 2,
+            "prefix_cache_hits": 0,
+            "prefix_cache_hit_rate": 0.0,
+            "num_preemptions": 0,
+        }
     )
     gateway = GatewayMetrics()
     served = RequestRecord("a", "POST", "/v1/chat/completions", endpoint="/v1/chat/completions", status=200)
     served.route, served.pool, served.tier, served.fallback = "coding", "chat", "free", "coding;reason=error"
     served.latency_s, served.router_latency_s = 0.3, 0.001
+    served.decision, served.resumptions = "sticky", [("chat", "replica_died")]
     shed = RequestRecord("b", "POST", "/v1/chat/completions", endpoint="/v1/chat/completions", status=429)
     shed.route, shed.tier, shed.shed = "chat", "free", True
     for record in (served, shed):
         gateway.observe(record)
+    gateway.replica_routing.labels(pool="chat", reason="prefix_hit").inc()
+    gateway.scale_events.labels(pool="chat", direction="up").inc()
     aggregator = MetricsAggregator()
     aggregator.report(
         "p", 1, pool.families() | pool.gauge_families(), pool.counter_values(), pool.gauge_values("p")
@@ -78,6 +86,8 @@ def test_every_query_names_an_exported_metric():
         "raylane_generation_tokens_total", "raylane_num_requests_running", "raylane_num_requests_waiting",
         "raylane_kv_cache_usage_perc", "raylane_prefix_cache_hits_total", "raylane_route_decisions_total",
         "raylane_fallbacks_total", "raylane_shed_total", "raylane_http_requests_total",
+        "raylane_replica_routing_decisions_total", "raylane_auto_routing_decisions_total",
+        "raylane_prefix_cache_hit_rate", "raylane_scale_events_total", "raylane_stream_resumptions_total",
     }  # fmt: skip
     assert wanted <= named, f"the dashboard lacks {sorted(wanted - named)}"
 
