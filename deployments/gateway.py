@@ -80,10 +80,12 @@ from deployments.tokenization_schemas import (
     TokenizeResponse,
     tokenize_request_model,
 )
-from engine.grammar_compiler import BoundedWorker, GrammarTimeout
+from engine.grammar_compiler import BoundedWorker, GrammarTimeout, start_forkserver
 from router import Principal, RouterError
 
 logger = logging.getLogger(__name__)
+# What the gateway's grammar-check workers import (deployments/sampling.py builds the grammars).
+GRAMMAR_PRELOAD = ("deployments.sampling",)
 
 app = FastAPI(title="raylane", description="OpenAI-compatible API of a raylane cluster", docs_url=None)
 app.add_middleware(RequestLogMiddleware)  # x-request-id, one JSON log line and HTTP metrics per request
@@ -140,6 +142,7 @@ class Gateway:
         torch.set_num_threads(1)  # the classifier's short inputs: a second thread spin-waits on shared cores
         self.router = build_router(self.config)  # logs loudly when no API key is configured (open mode)
         self.grammar_worker: BoundedWorker | None = None  # started by the first request with a grammar
+        start_forkserver(GRAMMAR_PRELOAD)  # what its workers import, now rather than for that request
         context = serve.get_replica_context()
         self.drain = DrainWatcher(context.app_name, context.replica_id.unique_id)
         self.pool_health = PoolHealth(self.pools, self.router, self.config.gateway.pool_health_period_s)
@@ -312,7 +315,7 @@ class Gateway:
         if param is None:
             return fn(req)
         if self.grammar_worker is None:
-            self.grammar_worker = BoundedWorker(preload=("deployments.sampling",))
+            self.grammar_worker = BoundedWorker(preload=GRAMMAR_PRELOAD)
         try:
             return await self.grammar_worker.run(fn, req)
         except GrammarTimeout as e:

@@ -26,7 +26,7 @@ from deployments.serving_tokenization import OpenAIServingTokenization
 from deployments.tokenization_schemas import DetokenizeRequest, TokenizeRequest
 from deployments.wire import PoolItem, ResumeState
 from engine import AsyncLLM, SamplingParams
-from engine.grammar_compiler import GrammarCompileService, tokenizer_info_json
+from engine.grammar_compiler import GrammarCompileService, start_forkserver, tokenizer_info_json
 
 logger = logging.getLogger(__name__)
 HEALTH_PROBE_TIMEOUT_S = 10.0
@@ -50,6 +50,7 @@ class ModelPool:
         metered = MeteredLLM(self.llm, self.metrics)
         # A client's grammar compiles in a worker process, bounded in time, not on the engine loop.
         self.grammar = GrammarCompileService(lambda: self.llm.run_in_engine(tokenizer_info_json))
+        start_forkserver()  # its worker's imports, now rather than for the first grammar
         args = (metered, self.pool.model_id, self.llm.max_model_len, self.grammar)
         self.chat_serving = OpenAIServingChat(*args)
         self.completion_serving = OpenAIServingCompletion(*args)
@@ -94,10 +95,11 @@ class ModelPool:
         request_id: str,
         echo: dict,
         priority: int = 0,
+        resume: ResumeState | None = None,
     ) -> AsyncIterator[PoolItem]:
         """/v1/responses: the chat request the gateway made of it, answered as a Responses object or
-        its events; `echo` holds the request's fields the response repeats."""
-        items = self.responses_serving.create(request, params, plan, request_id, echo, priority)
+        its events; `echo` holds the request's fields the response repeats. `resume`: as `chat`'s."""
+        items = self.responses_serving.create(request, params, plan, request_id, echo, priority, resume)
         async for item in self._forward(items):
             yield item
 

@@ -14,21 +14,22 @@ tool-call parser (deployments/tool_calls.py); each becomes output items:
 
 Every event carries a `sequence_number`. A non-streamed response is the same builder fed the whole
 text at once, so it holds exactly the items its stream would have.
+
+A stream resumed on another replica (deployments/resumption.py) is a new builder that `resume`s: it
+is fed the text the client has, its events dropped, so the items it had opened, the parsers' held-back
+text and the tokens counted carry on, and its events are numbered on from those the client got. So
+that the items it reopens keep their ids, an item's id (and a function call's `call_id`) follows from
+the response's id and the item's place in the output, not from chance.
 """
 
 from __future__ import annotations
 
 import json
 import time
-import uuid
 from typing import Any
 
 from deployments.reasoning_parser import ReasoningParser, reasoning_tokens
 from deployments.tool_calls import ContentDelta, ToolCallStreamParser
-
-
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 class ResponseBuilder:
@@ -56,6 +57,12 @@ class ResponseBuilder:
             self.event("response.created", response=self.response),
             self.event("response.in_progress", response=self.response),
         ]
+
+    def resume(self, text: str, token_ids: list[int], num_events: int) -> None:
+        """Take up a stream after the `num_events` events that another replica sent, which held
+        `text` (the tokens `token_ids`)."""
+        self.feed(text, token_ids)
+        self.seq = num_events
 
     def feed(self, text: str, token_ids: list[int]) -> list[str]:
         self.token_ids += token_ids
@@ -101,7 +108,7 @@ class ResponseBuilder:
         if self.item is None or self.item["type"] != "reasoning":
             out += self._close()
             item = {
-                "id": _id("rs"),
+                "id": self._id("rs"),
                 "type": "reasoning",
                 "summary": [],
                 "content": [],
@@ -120,9 +127,9 @@ class ResponseBuilder:
             elif ev.name is not None:  # a call begins
                 out += self._close()
                 item = {
-                    "id": _id("fc"),
+                    "id": self._id("fc"),
                     "type": "function_call",
-                    "call_id": ev.id,
+                    "call_id": self._id("call"),  # not the parser's: a resumed one would differ
                     "name": ev.name,
                     "arguments": "",
                     "status": "in_progress",
@@ -143,7 +150,7 @@ class ResponseBuilder:
 
     def _open_message(self) -> list[str]:
         item = {
-            "id": _id("msg"),
+            "id": self._id("msg"),
             "type": "message",
             "role": "assistant",
             "status": "in_progress",
@@ -197,6 +204,10 @@ class ResponseBuilder:
 
     def _index(self) -> int:
         return len(self.response["output"])
+
+    def _id(self, prefix: str) -> str:
+        """The id of the item about to open: the same on any replica that writes this response."""
+        return f"{prefix}_{self.response['id'].removeprefix('resp_')}_{self._index()}"
 
     def _at(self, kind: str, **fields: Any) -> str:
         """An event about the item being written."""

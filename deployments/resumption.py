@@ -166,9 +166,8 @@ class Resumer:
 
 
 def _copy(state: ResumeState) -> ResumeState:
-    return ResumeState(
-        state.created, {i: list(ids) for i, ids in state.token_ids.items()}, dict(state.finish_reasons)
-    )
+    token_ids = {i: list(ids) for i, ids in state.token_ids.items()}
+    return ResumeState(state.created, token_ids, dict(state.finish_reasons), state.num_events)
 
 
 def _created(text: str) -> int:

@@ -1,8 +1,8 @@
 """What crosses the Serve handle from a pool replica to the gateway.
 
-A pool's `chat` / `completions` stream yields `PoolItem`s. The first says how the request went: an
-`OpenAIError` (nothing was generated; the gateway may fall back to another pool), the whole JSON
-response, or the first SSE text of a stream. A stream's later items are SSE text too. The
+A pool's `chat` / `completions` / `responses` stream yields `PoolItem`s. The first says how the
+request went: an `OpenAIError` (nothing was generated; the gateway may fall back to another pool),
+the whole JSON response, or the first SSE text of a stream. A stream's later items are SSE text too. The
 response's **last item** is a `FinalItem`: its text (the JSON body, the events ending in `[DONE]`,
 or the error event that ends a stream the engine's failure cut) together with the request's
 `RequestSummary`, so the gateway ends the HTTP response and fills its request log on one message,
@@ -77,16 +77,20 @@ class StreamItem:
 class ResumeState:
     """Where a stream stood when its replica failed, for the pool that continues it: per choice index,
     the token ids whose text the client has and the finish reason of a choice that had ended; the
-    response's `created` (its `id` comes from the request id, which stays the same)."""
+    response's `created` (its `id` comes from the request id, which stays the same); how many SSE
+    events the client got (a Responses stream numbers its events: `sequence_number` goes on from it)."""
 
     created: int
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     finish_reasons: dict[int, str] = field(default_factory=dict)
+    num_events: int = 0
 
     def add(self, item: StreamItem) -> None:
         for index, ids in item.token_ids.items():
             self.token_ids.setdefault(index, []).extend(ids)
         self.finish_reasons.update(item.finish_reasons)
+        # Each SSE event ends with a blank line; JSON data escapes its own newlines.
+        self.num_events += item.text.count("\n\n")
 
     @property
     def num_tokens(self) -> int:
