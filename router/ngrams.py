@@ -51,3 +51,28 @@ def ngram_features(texts: list[str], dim: int = NGRAM_DIM, max_chars: int = 1536
             values = np.log1p(np.fromiter(counts.values(), np.float32, len(counts)))
             out[row, np.fromiter(counts, np.int64, len(counts))] = values / np.linalg.norm(values)
     return out
+
+
+# The opening: how a turn starts says whether it continues the conversation (`¿y cómo...`, `et si...`,
+# `and what if...`) or leaves it (`Cambiando de tema:`, `Et sinon,`, `Unrelated:`), in words that the
+# content n-grams above drown out in a long turn. Six tokens reach past a leading thanks (`¡ gracias !`).
+OPENING_DIM = 1024
+OPENING_TOKENS = 6
+
+
+def opening_features(
+    texts: list[str], dim: int = OPENING_DIM, num_tokens: int = OPENING_TOKENS
+) -> np.ndarray:
+    """[len(texts), dim] float32 rows of unit length: the first `num_tokens` tokens of each text
+    (folded, punctuation included) as words and adjacent pairs, and the first token on its own."""
+    out = np.zeros((len(texts), dim), np.float32)
+    for row, text in enumerate(texts):
+        tokens = _TOKEN.findall(fold(text[:200]))[:num_tokens]
+        if not tokens:
+            continue
+        grams = [f"first:{tokens[0]}", *(f"o:{t}" for t in tokens)]
+        grams += [f"o:{a}_{b}" for a, b in zip(tokens, tokens[1:], strict=False)]
+        for gram in grams:
+            out[row, zlib.crc32(gram.encode()) % dim] += 1.0
+        out[row] /= np.linalg.norm(out[row])
+    return out

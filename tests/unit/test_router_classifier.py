@@ -147,6 +147,32 @@ def test_earlier_turns_settle_a_vague_follow_up(classifier):
         assert classifier.classify([*history, user("Is there a quicker way?")]).route == route, first
 
 
+def test_a_follow_up_with_content_words_is_settled_by_its_conversation(classifier):
+    """Spanish and French turns that carry words of their own but open as a continuation (`¿y cómo`,
+    `et s'il`, `et pour`): the conversation decides, not those words. Not in followups.txt."""
+    for first, latest, route in [
+        (
+            "Tengo un script en Python que lee un CSV de gastos con pandas.",
+            "¿y cómo hago para que ignore las filas vacías y sume por categoría?",
+            "coding",
+        ),
+        (
+            "Un cycliste roule à 20 km/h pendant 2 heures puis à 30 km/h pendant 1 heure. Vitesse moyenne ?",
+            "et s'il fait le retour à 15 km/h, quelle est la moyenne sur l'aller-retour ?",
+            "reasoning",
+        ),
+        ("Je pars à Lisbonne en mai avec des amis.", "et pour sortir le soir, quel quartier ?", "chat"),
+    ]:
+        history = [user(first), {"role": "assistant", "content": "..."}]
+        assert classifier.classify([*history, user(latest)]).route == route, latest
+    coding = [
+        user("Tengo un script en Python que lee un CSV de gastos con pandas."),
+        {"role": "assistant", "content": "..."},
+    ]
+    change = user("Cambiando de tema: ¿qué novela me recomiendas para el verano?")
+    assert classifier.classify([*coding, change]).route == "chat"
+
+
 def test_system_prompt_does_not_overrule_a_clear_request(classifier):
     proof = user("Prove that the square root of 3 is irrational.")
     assert classifier.classify([{"role": "system", "content": SYSTEM["chat"]}, proof]).route == "reasoning"
