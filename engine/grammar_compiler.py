@@ -22,7 +22,9 @@ delays the next grammar by up to `GRAMMAR_TIMEOUT_S` per call queued ahead.
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
+import multiprocessing.forkserver
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +33,10 @@ from typing import Any
 GRAMMAR_TIMEOUT_S = 5.0  # one check or compile, CPU time of one core in the worker
 START_TIMEOUT_S = 180.0  # a cold forkserver imports torch + xgrammar: slow on a busy machine
 MAX_COMPILED_BYTES = 2 * 1024 * 1024  # serialized compiled grammar the engine loop may deserialize
+
+# What a pool's compile workers import (a gateway's check workers import deployments.sampling).
+COMPILE_PRELOAD = ("engine.structured_output",)
+logger = logging.getLogger(__name__)
 
 
 class GrammarTimeout(Exception):
@@ -55,7 +61,7 @@ class BoundedWorker:
         initializer=None,
         initargs: tuple = (),
         timeout_s: float = GRAMMAR_TIMEOUT_S,
-        preload: tuple[str, ...] = ("engine.structured_output",),
+        preload: tuple[str, ...] = COMPILE_PRELOAD,
     ):
         """`preload`: modules the forkserver imports once (the first worker of the process sets it)."""
         self.initializer, self.initargs, self.timeout_s = initializer, initargs, timeout_s
@@ -122,6 +128,23 @@ def _context(preload: tuple[str, ...]):
             _ctx = multiprocessing.get_context("forkserver")
             _ctx.set_forkserver_preload(list(preload))
         return _ctx
+
+
+def start_forkserver(preload: tuple[str, ...] = COMPILE_PRELOAD) -> None:
+    """Start this process's forkserver now, in the background, rather than for the first grammar.
+
+    The forkserver imports `preload` (torch and xgrammar): seconds of CPU, over thirty on a busy
+    two-core machine. Started lazily, that wait fell on the first request with a grammar a replica
+    met, and on a structured stream resumed on a replica that had not had one yet."""
+
+    def start() -> None:
+        try:
+            _context(preload)
+            multiprocessing.forkserver.ensure_running()
+        except Exception as e:  # the first grammar starts it then, as before
+            logger.warning("grammar worker forkserver did not start: %r", e)
+
+    threading.Thread(target=start, daemon=True, name="grammar-forkserver").start()
 
 
 def _serve(conn, initializer, initargs) -> None:
