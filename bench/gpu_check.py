@@ -7,6 +7,8 @@ The checks, each with its goal:
 - **parity**: greedy tokens identical to Hugging Face `generate` on the same device and dtype
   (bfloat16 on the GPU) for four families (Llama, Qwen2, Mixtral, Qwen3-MoE: random weights written
   here, spread wide so argmax is rarely a near-tie) and the real SmolLM2-135M-Instruct;
+- **CUDA graphs**: greedy output with decode steps replayed from CUDA graphs identical to eager
+  steps (`enforce_eager: true`);
 - **int8**: weight-only int8 against the same model unquantized (tokens that agree, reported; int8
   changes the numbers, so no identity is asked);
 - **speculative**: greedy output with a draft model identical to greedy output without one;
@@ -76,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     for family, path in models.items():
         if family != "llama-draft":
             checks.append(parity(family, path, device, dtype, sizes["parity_tokens"]))
+    checks.append(graphs_identity(models["llama"], device, dtype, sizes["parity_tokens"]))
     checks.append(int8_agreement(models["llama"], device, sizes["parity_tokens"]))
     checks.append(
         speculative_identity(models["llama"], models["llama-draft"], device, sizes["parity_tokens"])
@@ -222,6 +225,26 @@ def parity(family: str, path: str, device: str, dtype, n: int) -> dict[str, Any]
         "goal": "all identical",
         "ok": same == len(hf),
         "first_divergence": [first_difference(a, b) for a, b in zip(hf, ours, strict=True)],
+    }
+
+
+def graphs_identity(path: str, device: str, dtype, n: int) -> dict[str, Any]:
+    """Greedy tokens with decode steps replayed from CUDA graphs (the default) against eager steps."""
+    from engine import LLM, SamplingParams
+
+    token_prompts = prompts(path, PARITY_PROMPTS)
+    args = dict(device=device, dtype=dtype_name(dtype))
+    with LLM(path, **args) as llm:
+        sizes = llm.engine.runner.graphs.sizes if llm.engine.runner.graphs else "none"
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        graphs = [o.outputs[0].token_ids for o in llm.generate(token_prompts, params)]
+    eager = raylane_greedy(path, token_prompts, n, enforce_eager=True, **args)
+    same = sum(a == b for a, b in zip(graphs, eager, strict=True))
+    return {
+        "check": "CUDA graphs = eager",
+        "value": f"{same}/{len(eager)} identical (graphs captured: {sizes})",
+        "goal": "all identical, graphs captured",
+        "ok": same == len(eager) and (sizes != "none" or device == "cpu"),
     }
 
 

@@ -8,11 +8,13 @@ agreed on (`available_kv_blocks`, then `allocate_kv_cache`).
 """
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
 from cluster.config import EngineConfig
+from engine.cuda_graph import DecodeGraphs, capture_sizes
 from engine.memory_profile import DraftReservation, MemoryReport, kv_cache_split
 from models import load_model
 from models.attention import build_attention_metadata
@@ -72,6 +74,7 @@ class ModelRunner:
             config.attention_backend, self.device, self.dtype, head_dim, self.block_size
         )
         logger.info("attention backend: %s", self.attention_backend)
+        self.graphs: DecodeGraphs | None = None  # captured after the KV cache is allocated
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's weights: parameters (a tied embedding counted once) and packed weights."""
@@ -89,7 +92,7 @@ class ModelRunner:
             self.profile_memory(), self.config.gpu_memory_utilization, self._block_bytes(), draft
         )
         logger.info("%s", split.describe())
-        return split.num_blocks
+        return max(1, split.num_blocks - 1)  # the scratch block comes out of the same budget
 
     def _block_bytes(self) -> int:
         shape = self.model.kv_cache_shape_per_block(self.block_size)
@@ -124,7 +127,7 @@ class ModelRunner:
             blocks = -(-n // block)
             tables.append(list(range(next_block, next_block + blocks)))
             next_block += blocks
-        self.allocate_kv_cache(next_block, log=False)
+        self.allocate_kv_cache(next_block, log=False, capture=False)
         batch = ModelInput(
             token_ids=[0] * tokens,
             positions=[p for n in lengths for p in range(n)],
@@ -137,11 +140,16 @@ class ModelRunner:
         self.num_blocks = 0
         for layer in self.model.attention_layers():
             layer.bind_kv_cache(None, None)
-        return next_block * self._block_bytes()
+        return (next_block + 1) * self._block_bytes()  # and the scratch block
 
-    def allocate_kv_cache(self, num_blocks: int, log: bool = True) -> None:
+    def allocate_kv_cache(self, num_blocks: int, log: bool = True, capture: bool = True) -> None:
+        """`num_blocks` for the block manager, and one more: the scratch block (index num_blocks)
+        that padded rows of a captured decode batch write to, which no request owns. On CUDA with
+        the flash_varlen backend and `enforce_eager` off, then captures the decode graphs."""
         self.num_blocks = num_blocks
-        shape = (self.num_blocks, *self.model.kv_cache_shape_per_block(self.block_size))
+        self.scratch_block = num_blocks
+        self.graphs = None
+        shape = (self.num_blocks + 1, *self.model.kv_cache_shape_per_block(self.block_size))
         for layer in self.model.attention_layers():
             layer.bind_kv_cache(
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -154,6 +162,40 @@ class ModelRunner:
                 self.block_size,
                 self.num_blocks * self._block_bytes() / 2**20,
             )
+        if capture and self.uses_cuda_graphs:
+            try:
+                self.graphs = self.capture_decode_graphs()
+            except RuntimeError as error:  # a layer that reads back to the host cannot be captured
+                logger.warning(
+                    "CUDA graphs: capture failed, decoding eagerly (enforce_eager: true): %s", error
+                )
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Graphs replay pure-decode steps on CUDA with the flash_varlen backend; never on CPU."""
+        cuda_flash = self.device.type == "cuda" and self.attention_backend == "flash_varlen"
+        return cuda_flash and not self.config.enforce_eager
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, capture: bool = True) -> DecodeGraphs:
+        """Graphs for decode batches of 1, 2, 4, ... up to max_num_seqs requests, each as long as
+        max_model_len (the block table's width). `capture` False: the CPU tests' eager stand-in."""
+        max_len = self.config.max_model_len or self.hf_config.max_position_embeddings
+        start = time.perf_counter()
+        graphs = DecodeGraphs(
+            self.model,
+            capture_sizes(self.config.max_num_seqs),
+            max_pages=-(-max_len // self.block_size),
+            block_size=self.block_size,
+            scratch_block=self.scratch_block,
+            sliding_window=self.model.sliding_window,
+            device=self.device,
+            capture=capture,
+        )
+        logger.info(
+            "CUDA graphs: decode batches of %s captured in %.1f s", graphs.sizes, time.perf_counter() - start
+        )
+        return graphs
 
     @torch.inference_mode()
     def execute_model(self, batch: ModelInput, compute_logits: bool = True) -> torch.Tensor | None:
@@ -163,6 +205,10 @@ class ModelRunner:
         With `compute_logits` False (ranks whose TP group's logits nobody reads) it stops after
         the last layer and returns None.
         """
+        size = self.graphs.size_for(batch) if self.graphs is not None else None
+        if size is not None:
+            hidden = self.graphs.run(batch, size)
+            return self._logits(hidden, batch) if compute_logits else None
         meta = build_attention_metadata(
             batch.block_tables,
             batch.context_lens,
@@ -175,8 +221,9 @@ class ModelRunner:
         input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, meta)
-        if not compute_logits:
-            return None
+        return self._logits(hidden, batch) if compute_logits else None
+
+    def _logits(self, hidden: torch.Tensor, batch: ModelInput) -> torch.Tensor:
         if not batch.sample_indices:
             return torch.empty(0, 0, device=self.device)
         rows = torch.tensor(batch.sample_indices, dtype=torch.long, device=self.device)

@@ -95,6 +95,12 @@ class EngineConfig(StrictModel):
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Fraction of GPU memory the weights and KV cache may use."
     )
+    enforce_eager: bool = Field(
+        False,
+        description="vLLM's switch: true runs every step eagerly; false replays pure-decode steps from CUDA "
+        "graphs captured at start-up for batches of 1, 2, 4, ... up to max_num_seqs (CUDA with the "
+        "flash_varlen attention backend only; never on CPU).",
+    )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
     stream_interval: int = Field(
         1,
