@@ -243,8 +243,8 @@ class Gateway:
             1,
             bool(req.stream),
             request_id,
-            lambda pool, priority, resume=None: pool.responses.remote(
-                chat_req, params, plan, request_id, echoed, priority
+            lambda pool, priority, resume: pool.responses.remote(
+                chat_req, params, plan, request_id, echoed, priority, resume
             ),
         )
         if req.store is False:
