@@ -103,11 +103,12 @@ def new_token_slots(
 ) -> torch.Tensor:
     """[N] cache slot of each new token: block_tables[i][pos // block_size] * block_size + pos % block_size
     for positions context_lens[i] - query_lens[i] .. context_lens[i] - 1 of request i."""
-    parts = []
-    for table, ctx, n in zip(block_tables, context_lens, query_lens, strict=True):
-        pos = torch.arange(ctx - n, ctx)
-        parts.append(torch.tensor(table)[pos // block_size] * block_size + pos % block_size)
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+    slots = [
+        table[pos // block_size] * block_size + pos % block_size
+        for table, ctx, n in zip(block_tables, context_lens, query_lens, strict=True)
+        for pos in range(ctx - n, ctx)
+    ]
+    return torch.tensor(slots, dtype=torch.long)
 
 
 def _build_group(
