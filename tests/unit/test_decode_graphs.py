@@ -13,9 +13,10 @@ import torch
 
 import models.paged_kernel as paged_kernel
 from cluster.config import EngineConfig
+from engine import LLM, SamplingParams
 from engine.cuda_graph import capture_sizes, graph_size, pad_decode_batch
 from engine.model_runner import ModelInput, ModelRunner
-from tests.hf_models import make_checkpoint
+from tests.hf_models import load_hf_model, make_checkpoint
 from tests.unit.test_paged_attention import varlen_attn_reference
 
 NUM_BLOCKS = 12
@@ -157,3 +158,30 @@ def test_graphs_only_on_cuda_with_the_flash_backend_unless_enforce_eager(runner)
     runner.config = runner.config.model_copy(update={"enforce_eager": False})
     runner.attention_backend = "torch"
     assert not runner.uses_cuda_graphs
+
+
+def test_the_engine_decoding_through_graph_buffers_generates_hugging_faces_tokens(checkpoint, monkeypatch):
+    """The whole engine on flash_varlen (made up, as on a GPU) with its decode steps going through the
+    graphs' static buffers (the eager stand-in for a replay): prompts of different lengths finish at
+    different steps, so the batch shrinks through the captured sizes."""
+    monkeypatch.setattr(paged_kernel, "_KERNEL", varlen_attn_reference)
+    monkeypatch.setattr("engine.model_runner.select_attention_backend", lambda *args: "flash_varlen")
+    llm = LLM(checkpoint, block_size=256, num_kv_blocks=8, max_num_seqs=4, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    runner.graphs = runner.capture_decode_graphs(capture=False)
+    sizes_run = []
+    run = runner.graphs.run
+    monkeypatch.setattr(
+        runner.graphs, "run", lambda batch, size: (sizes_run.append(size), run(batch, size))[1]
+    )
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (9, 30, 4)]
+    budgets = [6, 10, 3]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in budgets]
+    outputs = llm.generate(prompts, params)
+    assert {4, 2, 1} <= set(sizes_run)  # 3 requests pad to 4; then 2; then 1
+    hf = load_hf_model(checkpoint)
+    hf.generation_config.eos_token_id = None  # both sides run to the token count
+    for prompt, n, out in zip(prompts, budgets, outputs, strict=True):
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+        assert out.outputs[0].token_ids == expected[0, len(prompt) :].tolist()
