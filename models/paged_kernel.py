@@ -175,5 +175,8 @@ def _why_not_flash(
     if head_dim % 8 or head_dim > 256:
         return "attention_backend", f"head_dim {head_dim} is not a multiple of 8 up to 256"
     if block_size % PAGE_MULTIPLE:
-        return "block_size", f"block_size {block_size} is not a multiple of {PAGE_MULTIPLE} (its paged KV)"
+        return "block_size", (
+            f"block_size {block_size} is not a multiple of {PAGE_MULTIPLE} (its paged KV); set "
+            f"engine.block_size: {PAGE_MULTIPLE} (the default with device: cuda)"
+        )
     return None

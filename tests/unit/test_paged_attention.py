@@ -210,13 +210,14 @@ def test_auto_attends_with_torch_on_cpu():
     assert select_attention_backend("auto", torch.device("cpu"), torch.float32, 128, 16) == "torch"
 
 
-def test_auto_takes_flash_varlen_on_a_gpu_that_runs_it():
+def test_auto_takes_flash_varlen_on_a_gpu_that_runs_it(caplog):
     """A made-up GPU (sm90, the kernel present): no CUDA device here."""
     gpu = dict(kernel_available=True, compute_capability=(9, 0))
     assert select_attention_backend("auto", CUDA, torch.bfloat16, 128, 256, **gpu) == "flash_varlen"
     assert select_attention_backend("torch", CUDA, torch.bfloat16, 128, 256, **gpu) == "torch"
     # Where it cannot run, auto falls back to the padded torch path and says why.
     assert select_attention_backend("auto", CUDA, torch.bfloat16, 128, 16, **gpu) == "torch"
+    assert "set engine.block_size: 256" in caplog.text
     assert select_attention_backend("auto", CUDA, torch.float32, 128, 256, **gpu) == "torch"
     old_gpu = dict(kernel_available=True, compute_capability=(7, 5))
     assert select_attention_backend("auto", CUDA, torch.float16, 128, 256, **old_gpu) == "torch"
