@@ -5,7 +5,8 @@ items with the same ids and indexes, each text delta once) whose assembled view 
 stream's; a forced function call's arguments and a json_schema answer still validate, and reasoning
 stays reasoning. Every event is validated as the openai SDK's typed model of its type. Each stream is
 cut after some of its items, as the gateway would resume it (deployments/relay.py adds each relayed
-item to the state)."""
+item to the state); the last test has the gateway's relay and Resumer do it, with a stand-in for the
+Serve handle whose replica dies."""
 
 import asyncio
 import json
@@ -14,10 +15,15 @@ import typing
 import jsonschema
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
+from ray.exceptions import ActorDiedError
 
+from cluster.config import ClusterConfig
 from deployments.metrics.pool import MeteredLLM, PoolMetrics
+from deployments.pool_health import PoolHealth
+from deployments.relay import relay
 from deployments.responses_request import echo, to_chat_request
 from deployments.responses_schemas import ResponsesRequest
+from deployments.resumption import Resumer
 from deployments.sampling import chat_params
 from deployments.serving_chat import OpenAIServingChat
 from deployments.serving_responses import OpenAIServingResponses
@@ -59,10 +65,12 @@ class Responses:
         self.echo = echo(req, "resp_0123456789abcdef", None)
         self.serving = OpenAIServingResponses(OpenAIServingChat(llm, "chat", 2048), reasoning)
 
+    def create(self, resume: ResumeState | None = None):
+        return self.serving.create(self.chat_req, self.params, self.plan, "r1", self.echo, 0, resume)
+
     def stream(self, resume: ResumeState | None = None) -> list:
         async def items():
-            gen = self.serving.create(self.chat_req, self.params, self.plan, "r1", self.echo, 0, resume)
-            return [item async for item in gen]
+            return [item async for item in self.create(resume)]
 
         return asyncio.run(items())
 
@@ -179,3 +187,60 @@ def test_a_resumed_reasoning_stream_keeps_its_reasoning_item_at_every_cut(llm):
     for cut in range(1, len(whole)):  # up to a cut after the last item before the closing one
         _, after = request.cut_and_resume(cut, whole)
         assert client_view(after) == before, cut
+
+
+class DyingReplica:
+    """Stands in for a pool's Serve handle (Serve does not run in unit tests): each call is served by
+    the real serving layer above; the first call's replica dies after `dies_after` items, and the
+    call raises what Serve raises for a dead replica actor."""
+
+    def __init__(self, request: Responses, dies_after: int) -> None:
+        self.request, self.dies_after, self.calls = request, dies_after, 0
+
+    def options(self, stream: bool) -> "DyingReplica":
+        return self
+
+    def call(self, resume: ResumeState | None) -> "Call":
+        self.calls += 1
+        return Call(self.request.create(resume), self.dies_after if self.calls == 1 else None)
+
+
+class Call:
+    def __init__(self, items, dies_after: int | None) -> None:
+        self.items, self.left = items, dies_after
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.left == 0:
+            await self.items.aclose()  # the replica's engine request ends with it
+            raise ActorDiedError()
+        if self.left is not None:
+            self.left -= 1
+        return await anext(self.items)
+
+    def cancel(self) -> None:
+        pass  # the stand-in stream is closed when it dies or drained when it ends
+
+
+def test_a_responses_stream_whose_replica_dies_goes_on_through_the_gateways_relay(llm):
+    """The gateway's side (relay, Resumer): what it passes on to the client from a replica that died
+    halfway, then from the one that resumed, is the undisturbed stream."""
+    body = {**COMMON, "input": "weather?", "tools": [WEATHER], "tool_choice": "required"}
+    request = Responses(llm, body | {"parallel_tool_calls": False, "max_output_tokens": 200})
+    whole = [text(i) for i in request.stream()]
+    replica = DyingReplica(request, dies_after=len(whole) // 2)
+    config = ClusterConfig.from_dict({"pools": [{"name": "chat", "model": "raylane-llama-tiny"}]})
+
+    async def client() -> tuple[list[str], int]:
+        start = lambda handle, priority, resume: handle.call(resume)  # noqa: E731
+        health = PoolHealth({"chat": replica}, None, 1.0)
+        resumer = Resumer(config, {"chat": replica}, health, start, 0, "r1", ["chat"])
+        call = start(replica, 0, None)
+        sent = [t async for t in relay(await anext(call), call, None, None, resumer, "chat")]
+        return sent, resumer.count
+
+    sent, resumptions = asyncio.run(client())
+    assert resumptions == 1 and replica.calls == 2
+    assert client_view(sent) == client_view(whole)
