@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict
 
 import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 NAMESPACE = "raylane"
 
@@ -75,5 +76,10 @@ def response_store(app_name: str, max_entries: int, ttl_s: float):
     """The app's store actor handle, created by the first replica that asks (the others get it)."""
     actor = ray.remote(num_cpus=0, max_restarts=-1)(ResponseStore)
     return actor.options(
-        name=store_name(app_name), namespace=NAMESPACE, lifetime="detached", get_if_exists=True
+        name=store_name(app_name),
+        namespace=NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        # In no replica's placement group, whose removal would take the stored responses with it.
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None),
     ).remote(max_entries, ttl_s)

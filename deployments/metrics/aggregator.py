@@ -30,6 +30,7 @@ def get_aggregator(app_name: str | None = None, create: bool = True):
     """The app's `MetricsAggregator` actor (created on first use: detached, so that no replica's
     restart takes the totals with it; `max_restarts` brings it back after a node loss)."""
     import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     name = aggregator_name(app_name)
     if not create:
@@ -44,6 +45,10 @@ def get_aggregator(app_name: str | None = None, create: bool = True):
             num_cpus=0,
             max_restarts=-1,
             max_concurrency=1,
+            # Not in the placement group of the pool replica that happens to create it (Serve's
+            # replicas capture their children): removing that group when the replica dies or scales
+            # down would kill the aggregator and, with it, every total.
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None),
         )
         .remote()
     )

@@ -318,3 +318,46 @@ def test_raylane_status_shows_every_pool_with_its_replicas(api_server, workload,
     for pool in api_server.config.pools:
         line = next(line for line in out.splitlines() if line.startswith(pool.name + " "))
         assert pool.model_id in line and " 1/1 " in line
+
+
+def test_the_aggregator_outlives_the_placement_group_of_the_replica_that_made_it(ray_cluster):
+    """Whichever replica reports first creates the app's aggregator; a pool replica runs in a placement
+    group that captures its children. The aggregator must not land in it: when that replica dies or
+    scales down, Serve removes the group and everything in it, and the totals would be lost (and
+    `/metrics` would answer 500 while the aggregator restarted)."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from deployments.metrics.aggregator import get_aggregator
+    from tests.live_servers import wait_until
+
+    app = "aggregator-placement"
+
+    @ray.remote(num_cpus=0.01)
+    class Replica:  # as Serve starts a pool replica: in its placement group, capturing children
+        def report(self) -> bool:
+            key = ("raylane_requests", "raylane_requests_total", (("pool", "p"),))
+            return ray.get(get_aggregator(app).report.remote("r1", 1, {}, {key: 3.0}, {}))
+
+    group = placement_group([{"CPU": 0.01}])
+    ray.get(group.ready())
+    strategy = PlacementGroupSchedulingStrategy(group, placement_group_capture_child_tasks=True)
+    replica = Replica.options(scheduling_strategy=strategy).remote()
+    assert ray.get(replica.report.remote())
+    aggregator = get_aggregator(app, create=False)
+    pid = ray.get(aggregator.__ray_call__.remote(lambda self: __import__("os").getpid()))
+    remove_placement_group(group)  # the replica dies with it
+
+    def replica_gone() -> bool:
+        try:
+            ray.get(replica.report.remote(), timeout=60)
+        except ray.exceptions.RayActorError:
+            return True
+        return False
+
+    wait_until(replica_gone, 60, "the replica gone with its placement group")
+    # Same process, totals kept.
+    assert ray.get(aggregator.__ray_call__.remote(lambda self: __import__("os").getpid())) == pid
+    assert b"raylane_requests_total" in ray.get(aggregator.render.remote())
+    ray.kill(aggregator)
