@@ -100,6 +100,13 @@ class Outcome:
         self.times: list[float] = []  # when each chunk came
         self.progressed = threading.Event()  # set once KILL_AFTER_CHUNKS chunks have come
 
+    def tick(self) -> None:
+        """One more chunk (or event) came."""
+        self.chunks += 1
+        self.times.append(time.monotonic())
+        if self.chunks >= KILL_AFTER_CHUNKS:
+            self.progressed.set()
+
 
 def story(i: int) -> dict:
     content = f"tell me story number {i} about a {['cat', 'ship', 'tree'][i % 3]}"
@@ -169,10 +176,7 @@ def run_stream(client: openai.OpenAI, outcome: Outcome, request: dict, finish: s
                         fn = call.function
                         outcome.calls[call.index] = [name + (fn.name or ""), arguments + (fn.arguments or "")]
                     outcome.finish = chunk.choices[0].finish_reason or outcome.finish
-                outcome.chunks += 1
-                outcome.times.append(time.monotonic())
-                if outcome.chunks >= KILL_AFTER_CHUNKS:
-                    outcome.progressed.set()
+                outcome.tick()
             outcome.kind = "ok" if outcome.finish == finish else f"truncated ({outcome.finish})"
     except openai.APIStatusError as e:
         outcome.kind = f"status {e.status_code}"
@@ -201,10 +205,7 @@ def run_response_stream(client: openai.OpenAI, outcome: Outcome, request: dict, 
             elif event.type in ("error", "response.failed"):
                 outcome.kind, outcome.error = "error_event", str(event)
                 return
-            outcome.chunks += 1
-            outcome.times.append(time.monotonic())
-            if outcome.chunks >= KILL_AFTER_CHUNKS:
-                outcome.progressed.set()
+            outcome.tick()
         outcome.kind = "ok" if outcome.finish == finish else f"truncated ({outcome.finish})"
     except openai.APIStatusError as e:
         outcome.kind = f"status {e.status_code}"
