@@ -70,7 +70,7 @@ def test_accuracy_on_held_out_split_is_at_least_95_percent(classifier):
 
 def test_conversation_set_is_balanced_multilingual_and_held_out():
     conversations = read_conversations(CONVERSATIONS_EVAL_PATH)
-    assert len(conversations) >= 190
+    assert len(conversations) >= 240
     routes = Counter(c.route for c in conversations)
     assert set(routes) == {"coding", "reasoning", "chat"} and max(routes.values()) - min(routes.values()) <= 3
     langs = Counter(c.lang for c in conversations)
@@ -84,23 +84,31 @@ def test_conversation_set_is_balanced_multilingual_and_held_out():
         assert not {m["content"] for c in split for m in c.messages if m["role"] == "user"} & trained
 
 
-def _conversation_report(classifier) -> tuple[float, str]:
-    report = evaluate_conversations(classifier, read_conversations(CONVERSATIONS_EVAL_PATH))
-    return report.accuracy, "\n".join(report.lines() + [str(m) for m in report.mistakes])
+def _conversation_report(classifier):
+    return evaluate_conversations(classifier, read_conversations(CONVERSATIONS_EVAL_PATH))
 
 
-def test_held_out_conversations_keep_todays_accuracy(classifier):
-    """Multi-turn topic shifts, persona system prompts, vague follow-ups, Spanish and French: each
-    classified from its messages, as the gateway does for `model: "auto"`. A floor under today's
-    accuracy, so a change that loses conversations fails here."""
-    accuracy, report = _conversation_report(classifier)
-    assert accuracy >= 0.92, report
+def _text(report) -> str:
+    return "\n".join(report.lines() + [str(m) for m in report.mistakes])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 25 part 3's goal, not reached: router/dataset/README.md")
 def test_accuracy_on_held_out_conversations_is_at_least_97_percent(classifier):
-    accuracy, report = _conversation_report(classifier)
-    assert accuracy >= 0.97, report
+    """Issue 25 part 3: multi-turn topic shifts, persona system prompts, vague and content-bearing
+    follow-ups, Spanish and French, each classified from its messages as the gateway does for
+    `model: "auto"`. 97.1% (234/241) when written; router/dataset/README.md has the measurements."""
+    report = _conversation_report(classifier)
+    assert report.accuracy >= 0.97, _text(report)
+
+
+def test_held_out_conversations_hold_in_every_language_and_route(classifier):
+    """A floor under today's accuracy per language and per route (Spanish 92.8% and coding 95.0% are
+    the lowest), so a change that trades one language or route for the others fails here even while
+    the total stays above 97%."""
+    report = _conversation_report(classifier)
+    for lang in ("en", "es", "fr"):
+        assert report.group_accuracy(lang) >= 0.9, _text(report)
+    for route in ("coding", "reasoning", "chat"):
+        assert report.route_accuracy(route) >= 0.93, _text(report)
 
 
 def test_every_humaneval_prompt_routes_to_coding(classifier):
