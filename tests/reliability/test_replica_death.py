@@ -339,11 +339,16 @@ def test_replica_death_cuts_no_stream_and_the_replica_comes_back(app, report):
         lambda: running_primary_replicas() == 2 and victim not in primary_replicas(), 240, "replica back"
     )
     recovered_s = time.monotonic() - killed_at
-    # From the kill to each stream's next chunk: the worst is a resumed stream's wait (bench/README.md).
+    # From the kill to each stream's next chunk: the worst is a resumed stream's wait (bench/README.md);
+    # a constrained one's includes its grammar's first compile on the replica it resumed on.
     every = streams + [o for o, _ in structured.values()]
-    next_chunk_s = [
-        next(t for t in o.times if t > killed_at) - killed_at for o in every if o.times[-1] > killed_at
-    ]
+
+    def worst_wait_s(outcomes: list[Outcome]) -> float:
+        waits = [
+            next(t for t in o.times if t > killed_at) - killed_at for o in outcomes if o.times[-1] > killed_at
+        ]
+        return round(max(waits, default=0.0), 2)
+
     served = client.chat.completions.with_raw_response.create(
         model="primary", messages=[{"role": "user", "content": "hi"}], max_tokens=4
     )
@@ -359,5 +364,6 @@ def test_replica_death_cuts_no_stream_and_the_replica_comes_back(app, report):
         late_fallbacks=sum(1 for o in late if o.fallback),
         status_5xx=0,
         recovery_s=round(recovered_s, 1),
-        kill_to_next_chunk_max_s=round(max(next_chunk_s), 2),
+        kill_to_next_chunk_max_s=worst_wait_s(streams),
+        constrained_kill_to_next_chunk_max_s=worst_wait_s([o for o, _ in structured.values()]),
     )
