@@ -246,12 +246,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="routing.queue_weight of raylane's pool (default: the config's)",
     )
+    parser.add_argument(
+        "--kv-weight",
+        type=float,
+        default=None,
+        help="routing.kv_weight of raylane's pool (default: the config's)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/affinity.json"))
 
 
 def routing_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    knobs = {"max_imbalance": args.max_imbalance, "queue_weight": args.queue_weight}
+    knobs = {
+        "max_imbalance": args.max_imbalance,
+        "queue_weight": args.queue_weight,
+        "kv_weight": args.kv_weight,
+    }
     return {k: v for k, v in knobs.items() if v is not None}
 
 
