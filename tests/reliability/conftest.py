@@ -60,6 +60,30 @@ def deployed(api_server, name: str, config: dict):
         serve.delete(name)
 
 
+def replica_names(app: str, deployment: str) -> list[str]:
+    """Names of the live replica actors of one deployment (`ModelPool:NAME`, `Gateway`) of `app`."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+    return [
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)
+    ]
+
+
+def running_replicas(app: str, deployment: str) -> int:
+    """Replicas Serve reports RUNNING for one deployment of `app`."""
+    from ray import serve
+
+    return serve.status().applications[app].deployments[deployment].replica_states.get("RUNNING", 0)
+
+
+def ongoing(replica: str) -> int:
+    """Requests in flight on one replica, as its actor counts them for Serve's router."""
+    import ray
+
+    return ray.get(ray.get_actor(replica, namespace="serve").get_num_ongoing_requests.remote())
+
+
 def llama_pool(demo_models, name: str, **extra) -> dict:
     engine = {"max_num_seqs": 8, "num_kv_blocks": 128, "cpus_per_rank": 0.25, "seed": 0}
     return {

@@ -21,9 +21,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.live_servers import wait_until
-from tests.reliability.conftest import deployed, llama_pool
+from tests.reliability.conftest import deployed, llama_pool, ongoing, replica_names, running_replicas
 
-APP = "rel-autoscale"
+APP, POOL = "rel-autoscale", "ModelPool:elastic"
 CLIENTS = 8
 UP_WITHIN_S, DOWN_WITHIN_S = 90, 120
 pytestmark = pytest.mark.timeout(600)
@@ -47,29 +47,6 @@ def app(api_server, demo_models):
     }
     with deployed(api_server, APP, config) as url:
         yield url
-
-
-def running_replicas() -> int:
-    from ray import serve
-
-    deployment = serve.status().applications[APP].deployments["ModelPool:elastic"]
-    return deployment.replica_states.get("RUNNING", 0)
-
-
-def replica_names() -> set[str]:
-    import ray
-
-    return {
-        a["name"]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith("SERVE_REPLICA::") and f"{APP}#ModelPool:elastic#" in a["name"]
-    }
-
-
-def ongoing(replica: str) -> int:
-    import ray
-
-    return ray.get(ray.get_actor(replica, namespace="serve").get_num_ongoing_requests.remote())
 
 
 def scale_events(url: str) -> dict[str, float]:
@@ -130,22 +107,24 @@ class Load:
 
 def test_a_load_step_scales_the_pool_up_and_back_down(app, report):
     client = openai.OpenAI(base_url=f"{app}/v1", api_key="x", max_retries=0, timeout=120)
-    assert running_replicas() == 1
-    [first] = replica_names()
+    assert running_replicas(APP, POOL) == 1
+    [first] = replica_names(APP, POOL)
     events_before = scale_events(app)
     trickle = Load(client, 1, stream=False)
 
     load = Load(client, CLIENTS, stream=True)
     started = time.monotonic()
-    wait_until(lambda: running_replicas() == 2, UP_WITHIN_S, "a second replica under load")
+    wait_until(lambda: running_replicas(APP, POOL) == 2, UP_WITHIN_S, "a second replica under load")
     up_s = time.monotonic() - started
-    [second] = replica_names() - {first}
+    [second] = set(replica_names(APP, POOL)) - {first}
     wait_until(lambda: ongoing(second) > 0, 60, "requests on the new replica")
     peak = load.finish()
 
     stopped = time.monotonic()
     wait_until(
-        lambda: running_replicas() == 1 and len(replica_names()) == 1, DOWN_WITHIN_S, "back to one replica"
+        lambda: running_replicas(APP, POOL) == 1 and len(replica_names(APP, POOL)) == 1,
+        DOWN_WITHIN_S,
+        "back to one replica",
     )
     down_s = time.monotonic() - stopped
     calm = trickle.finish()

@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.live_servers import wait_until
-from tests.reliability.conftest import deployed, llama_pool
+from tests.reliability.conftest import deployed, llama_pool, ongoing, replica_names, running_replicas
 
 APP = "rel-replicas"
 STREAMS, LATE, TOKENS = 16, 16, 200
@@ -47,27 +47,11 @@ def app(api_server, demo_models):
 
 
 def primary_replicas() -> list[str]:
-    import ray
-
-    return [
-        a["name"]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith("SERVE_REPLICA::") and f"{APP}#ModelPool:primary#" in a["name"]
-    ]
-
-
-def ongoing(replica: str) -> int:
-    """Requests in flight on one replica, as its actor counts them for Serve's router."""
-    import ray
-
-    return ray.get(ray.get_actor(replica, namespace="serve").get_num_ongoing_requests.remote())
+    return replica_names(APP, "ModelPool:primary")
 
 
 def running_primary_replicas() -> int:
-    from ray import serve
-
-    deployment = serve.status().applications[APP].deployments["ModelPool:primary"]
-    return deployment.replica_states.get("RUNNING", 0)
+    return running_replicas(APP, "ModelPool:primary")
 
 
 def resumptions(url: str) -> float:

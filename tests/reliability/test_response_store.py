@@ -6,7 +6,7 @@ import openai
 import pytest
 
 from tests.live_servers import wait_healthy, wait_until
-from tests.reliability.conftest import deployed, llama_pool
+from tests.reliability.conftest import deployed, llama_pool, replica_names
 
 APP = "responses-store"
 MAX_STORED = 3
@@ -35,23 +35,13 @@ def client(app):
     return openai.OpenAI(base_url=f"{app}/v1", api_key="x", max_retries=0, timeout=120)
 
 
-def gateway_replicas() -> list[str]:
-    import ray
-
-    return [
-        a["name"]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith(f"SERVE_REPLICA::{APP}#Gateway#")
-    ]
-
-
 def test_a_stored_response_outlives_its_gateway_replica(app, client):
     import ray
 
     first = client.responses.create(model="chat", input="My name is Ada.", max_output_tokens=4)
-    [victim] = gateway_replicas()
+    [victim] = replica_names(APP, "Gateway")
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
-    wait_until(lambda: gateway_replicas() not in ([], [victim]), 120, "a new gateway replica")
+    wait_until(lambda: replica_names(APP, "Gateway") not in ([], [victim]), 120, "a new gateway replica")
     wait_healthy(f"{app}/health", 120)
     assert client.responses.retrieve(first.id).output_text == first.output_text
     second = client.responses.create(
