@@ -23,6 +23,7 @@ from deployments.autoscaling import LLMAutoscalingPolicy
 from deployments.gateway import Gateway
 from deployments.model_pool import ModelPool
 from deployments.request_router import PrefixAwareRouter
+from engine.executor.placement import DRIVER_GPU_SHARE, drives_a_draft_model
 
 APP_NAME = "raylane"
 # At tensor-parallel size > 1 every rank is an actor; the replica itself only schedules and samples.
@@ -61,6 +62,8 @@ def pool_deployment_options(
     else:  # rank i's actor runs in bundle i (engine/executor/placement.py); the replica shares bundle 0
         bundles = [{**rank, "CPU": rank["CPU"] + REPLICA_DRIVER_CPUS}] + [rank] * (pool.world_size - 1)
         actor = {"num_cpus": REPLICA_DRIVER_CPUS}
+        if gpus and drives_a_draft_model(pool.engine):  # the draft runs in the replica, on rank 0's GPU
+            actor["num_gpus"] = DRIVER_GPU_SHARE
     replicas = pool.replicas
     options: dict[str, Any] = {
         "name": pool_deployment_name(pool.name),

@@ -54,17 +54,17 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(config.model, self.hf_config, self.tokenizer)
         self.max_model_len = min(
             config.max_model_len or self.hf_config.max_position_embeddings,
-            self.executor.num_blocks * config.block_size,
+            self.executor.num_blocks * self.executor.block_size,
         )
         self.block_manager = BlockManager(
             self.executor.num_blocks,
-            config.block_size,
+            self.executor.block_size,
             config.enable_prefix_caching,
             sliding_window=sliding_window_of(self.hf_config),
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
-        self.proposer = make_proposer(config, self.executor.num_blocks, self.vocab_size)
+        self.proposer = make_proposer(config, self.block_manager, self.vocab_size, self.executor.draft_device)
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
         self.spec_decode_stats = SpecDecodeStats()
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -19,7 +19,7 @@ from engine.memory_profile import DraftReservation, MemoryReport, kv_cache_split
 from models import load_model
 from models.attention import build_attention_metadata
 from models.gguf import checkpoint_dir
-from models.paged_kernel import select_attention_backend
+from models.paged_kernel import resolve_attention
 from parallel.onednn import packed_bytes
 
 logger = logging.getLogger(__name__)
@@ -53,11 +53,14 @@ def resolve_dtype(config: EngineConfig, hf_config, device: torch.device) -> torc
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, device: torch.device | None = None):
+        """`device`: a particular one (a draft model on rank 0's GPU), else the config's."""
         from transformers import AutoConfig
 
         self.config = config
-        self.device = resolve_device(config)
+        self.device = device or resolve_device(config)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # graph capture and the allocator's stats use the current one
         hf_config = AutoConfig.from_pretrained(checkpoint_dir(config.model))
         self.dtype = resolve_dtype(config, hf_config, self.device)
         self.model, self.hf_config = load_model(
@@ -67,13 +70,12 @@ class ModelRunner:
             quantization=config.quantization,
             cpu_weight_prepack=config.cpu_weight_prepack,
         )
-        self.block_size = config.block_size
         self.num_blocks = 0  # until allocate_kv_cache
         head_dim = self.model.kv_cache_shape_per_block(1)[-1]
-        self.attention_backend = select_attention_backend(
-            config.attention_backend, self.device, self.dtype, head_dim, self.block_size
+        self.attention_backend, self.block_size = resolve_attention(
+            config.attention_backend, self.device, self.dtype, head_dim, config.block_size
         )
-        logger.info("attention backend: %s", self.attention_backend)
+        logger.info("attention backend: %s, KV blocks of %d tokens", self.attention_backend, self.block_size)
         self.graphs: DecodeGraphs | None = None  # captured after the KV cache is allocated
 
     def weight_bytes(self) -> int:

@@ -151,6 +151,30 @@ def select_attention_backend(
     return "torch"
 
 
+DEFAULT_BLOCK_SIZE = 16  # the block size where flash_varlen does not run
+
+
+def resolve_attention(
+    requested: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int | None,
+    kernel_available: bool | None = None,
+    compute_capability: tuple[int, int] | None = None,
+) -> tuple[str, int]:
+    """(attention backend, KV block size) of a rank. A `block_size` left unset is decided here, where
+    the device is known (the config is validated before anyone knows the machine): 256 where
+    flash_varlen can run, as its pages must be, else 16, whose finer blocks share more cached prefix."""
+    machine = dict(kernel_available=kernel_available, compute_capability=compute_capability)
+    if block_size is None:
+        flash = requested == "flash_varlen" or (
+            requested == "auto" and _why_not_flash(device, dtype, head_dim, PAGE_MULTIPLE, **machine) is None
+        )
+        block_size = PAGE_MULTIPLE if flash else DEFAULT_BLOCK_SIZE
+    return select_attention_backend(requested, device, dtype, head_dim, block_size, **machine), block_size
+
+
 def _why_not_flash(
     device: torch.device,
     dtype: torch.dtype,
@@ -177,6 +201,6 @@ def _why_not_flash(
     if block_size % PAGE_MULTIPLE:
         return "block_size", (
             f"block_size {block_size} is not a multiple of {PAGE_MULTIPLE} (its paged KV); set "
-            f"engine.block_size: {PAGE_MULTIPLE} (the default with device: cuda)"
+            f"engine.block_size: {PAGE_MULTIPLE}, or leave it unset"
         )
     return None

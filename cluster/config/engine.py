@@ -64,12 +64,12 @@ class EngineConfig(StrictModel):
     speculative_config: SpeculativeConfig | None = Field(
         None, description="Speculative decoding (ngram prompt lookup or a draft model); None: off."
     )
-    block_size: int = Field(
-        16,
+    block_size: int | None = Field(
+        None,
         ge=1,
         le=256,
-        description="Tokens per KV cache block. Default 16; 256 with device: cuda (fp16/bf16) where "
-        "attention_backend is auto or flash_varlen, whose paged kernel needs pages of a multiple of 256.",
+        description="Tokens per KV cache block. Unset: each rank picks it on its device, 256 where the "
+        "flash_varlen attention backend runs (its paged kernel needs pages of a multiple of 256), else 16.",
     )
     attention_backend: Literal["auto", "torch", "flash_varlen"] = Field(
         "auto",
@@ -166,26 +166,13 @@ class EngineConfig(StrictModel):
         one_rank_here = self.distributed_executor_backend != "ray" and self.world_size == 1
         return self.engine_core == "process" or (self.engine_core == "auto" and one_rank_here)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _cuda_block_size(cls, data):
-        """On CUDA the flash_varlen kernel's pages are the cache blocks: 256 tokens unless set."""
-        if not isinstance(data, dict) or data.get("block_size") is not None:
-            return data
-        flash = data.get("attention_backend") == "flash_varlen" or (
-            data.get("device") == "cuda"
-            and data.get("attention_backend", "auto") == "auto"
-            and data.get("dtype", "auto") != "float32"
-        )
-        return {**data, "block_size": 256 if flash else 16}
-
     @model_validator(mode="after")
     def _flash_varlen_pages(self) -> "EngineConfig":
         if self.attention_backend != "flash_varlen":
             return self
         if self.device == "cpu":
             raise ValueError("attention_backend: flash_varlen is a CUDA kernel; use 'torch' or 'auto' on CPU")
-        if self.block_size % 256:
+        if self.block_size is not None and self.block_size % 256:
             raise ValueError(
                 f"block_size: attention_backend flash_varlen reads KV pages of a multiple of 256 tokens "
                 f"(FlashAttention-2's paged kernel), got {self.block_size}; use 256"

@@ -89,7 +89,7 @@ class ReplicaRoutingConfig(StrictModel):
         None,
         ge=8,
         description="Characters per hashed prompt block; default 4 x engine.block_size (about the "
-        "characters of one KV block's tokens).",
+        "characters of one KV block's tokens), 64 when the ranks pick the block size.",
     )
     max_indexed_blocks: int = Field(
         65536, ge=1, description="Prompt blocks remembered per replica (least recently routed forgotten)."
@@ -205,7 +205,7 @@ class PoolConfig(StrictModel):
     @property
     def block_chars(self) -> int:
         """Characters per prompt block the replica router hashes (see `ReplicaRoutingConfig`)."""
-        return self.routing.block_chars or 4 * self.engine.block_size
+        return self.routing.block_chars or 4 * (self.engine.block_size or 16)
 
     @property
     def world_size(self) -> int:

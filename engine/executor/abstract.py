@@ -9,6 +9,8 @@ from engine.model_runner import ModelInput
 
 class Executor(ABC):
     num_blocks: int  # KV blocks every rank holds
+    block_size: int  # tokens per KV block, as the ranks chose it on their device
+    draft_device: torch.device | None = None  # where a draft model in this process runs (None: its config's)
     hf_config: object
 
     @abstractmethod

@@ -12,9 +12,27 @@ from ray.util.placement_group import PlacementGroup, get_current_placement_group
 
 from engine.errors import InsufficientResourcesError
 
+# A driver that runs a draft model (speculative decoding beside tensor-parallel ranks) takes this
+# share of rank 0's GPU in bundle 0, and rank 0 the rest: Ray then shows both the same GPU.
+DRIVER_GPU_SHARE = 0.05
+
 
 def rank_bundle(cpus_per_rank: float, use_gpu: bool) -> dict[str, float]:
     return {"CPU": cpus_per_rank, **({"GPU": 1.0} if use_gpu else {})}
+
+
+def drives_a_draft_model(config) -> bool:
+    """Whether the driver of this engine's ranks runs a draft model (on rank 0's GPU, where there is one)."""
+    spec = config.speculative_config
+    return spec is not None and spec.method == "draft_model"
+
+
+def rank_gpus(rank: int, use_gpu: bool, driver_shares_gpu: bool) -> float:
+    """The GPU a rank's actor reserves: one, less the driver's share on rank 0 when the driver runs a
+    draft model there."""
+    if not use_gpu:
+        return 0.0
+    return 1.0 - DRIVER_GPU_SHARE if rank == 0 and driver_shares_gpu else 1.0
 
 
 def use_gpus(device: str, given: PlacementGroup | None, world_size: int) -> bool:

@@ -14,6 +14,7 @@ import torch
 
 from cluster.config import EngineConfig
 from engine.model_runner import ModelInput, ModelRunner
+from engine.spec_decode.draft_model import draft_reservation_on
 
 MAX_TIMED_STEPS = 100_000  # per-step timings kept for benchmarks until stats(reset=True)
 
@@ -58,13 +59,15 @@ class RankWorker:
         self.runner = ModelRunner(self.config)
         self.computes_logits = state.get_ep_rank() == 0  # rank 0's TP group gathers the logits
         memory = _memory()
+        draft = draft_reservation_on(self.runner) if self.rank == 0 else None  # the driver's, on this GPU
         return {
             "rank": self.rank,
             "node_id": ray.get_runtime_context().get_node_id(),
             "placement_group_id": ray.get_runtime_context().get_placement_group_id(),
             "device": str(self.runner.device),
             "gpu_ids": ray.get_gpu_ids(),
-            "num_blocks": self.runner.available_kv_blocks(),
+            "num_blocks": self.runner.available_kv_blocks(draft),
+            "block_size": self.runner.block_size,
             "weight_bytes": self.runner.weight_bytes(),
             "load_anon_bytes": memory["anon"] - anon_before,
             "peak_rss_bytes": memory["peak"],

@@ -25,7 +25,7 @@ from transformers import AutoConfig
 from cluster.config import EngineConfig
 from engine.errors import EngineDeadError, InsufficientResourcesError
 from engine.executor.abstract import Executor
-from engine.executor.placement import acquire, rank_bundle, use_gpus
+from engine.executor.placement import acquire, drives_a_draft_model, rank_bundle, rank_gpus, use_gpus
 from engine.executor.rank_worker import RankWorker
 from engine.model_runner import ModelInput
 from models.gguf import checkpoint_dir
@@ -80,7 +80,7 @@ class RayDistributedExecutor(Executor):
         for rank in range(self.world_size):
             options = dict(
                 num_cpus=self.config.cpus_per_rank,
-                num_gpus=1 if use_gpu else 0,
+                num_gpus=rank_gpus(rank, use_gpu, drives_a_draft_model(self.config)),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, rank),
                 max_restarts=0,
             )
@@ -92,6 +92,14 @@ class RayDistributedExecutor(Executor):
         infos = self._results([w.start.remote(address, self.backend) for w in self.workers], reraise=True)
         self.rank_info = infos
         self.num_blocks = min(info["num_blocks"] for info in infos)
+        self.block_size = infos[0]["block_size"]
+        if any(info["block_size"] != self.block_size for info in infos):
+            raise ValueError(
+                f"block_size: the ranks chose different KV block sizes on their devices "
+                f"({[info['block_size'] for info in infos]}); set engine.block_size"
+            )
+        if drives_a_draft_model(self.config):
+            self.draft_device = draft_device(infos[0])
         self._results([w.allocate_kv_cache.remote(self.num_blocks) for w in self.workers], reraise=True)
         logger.info(
             "%d ranks (tp %d x ep %d, %s) on nodes %s; %d KV blocks",
@@ -270,3 +278,22 @@ def check_parallel_layout(hf_config, config: EngineConfig) -> None:
         raise ValueError(f"expert_parallel_size: {arch} has no experts; use tensor_parallel_size")
     if experts % ep:
         raise ValueError(f"expert_parallel_size: {ep} does not split {experts} experts evenly")
+
+
+def draft_device(rank0: dict) -> torch.device:
+    """Where the draft model of speculative decoding runs in this process (the driver): rank 0's GPU,
+    whose KV cache left room for it (a Serve replica reserves a share of that GPU: deployments/app.py),
+    or the CPU when the ranks run on CPUs. `rank0`: rank 0's start-up info."""
+    if not rank0["device"].startswith("cuda"):
+        return torch.device("cpu")
+    gpu = str(rank0["gpu_ids"][0])
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible is not None else [str(i) for i in range(torch.cuda.device_count())]
+    same_node = rank0["node_id"] == ray.get_runtime_context().get_node_id()
+    if not same_node or gpu not in ids:
+        raise InsufficientResourcesError(
+            f"speculative_config: the draft model runs in the engine's driver, beside rank 0 on GPU {gpu} "
+            f"of node {rank0['node_id'][:8]}, but this process cannot see that GPU (CUDA_VISIBLE_DEVICES="
+            f"{visible!r}); run the engine in a Serve replica (which shares rank 0's GPU) or on that node"
+        )
+    return torch.device("cuda", ids.index(gpu))

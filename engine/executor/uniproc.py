@@ -5,19 +5,15 @@ import torch
 from cluster.config import EngineConfig
 from engine.executor.abstract import Executor
 from engine.model_runner import ModelInput, ModelRunner
+from engine.spec_decode.draft_model import draft_reservation_on
 
 
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig):
         self.runner = ModelRunner(config)
-        draft = None
-        spec = config.speculative_config
-        if spec is not None and spec.method == "draft_model" and self.runner.device.type == "cuda":
-            from engine.spec_decode.draft_model import draft_reservation
-
-            draft = draft_reservation(config, self.runner.dtype)  # it loads on this GPU after the cache
+        draft = draft_reservation_on(self.runner)  # a draft model loads on this GPU after the cache
         self.runner.allocate_kv_cache(self.runner.available_kv_blocks(draft))
-        self.num_blocks = self.runner.num_blocks
+        self.num_blocks, self.block_size = self.runner.num_blocks, self.runner.block_size
         self.hf_config = self.runner.hf_config
 
     def execute_model(self, batch: ModelInput) -> torch.Tensor:

@@ -21,8 +21,10 @@ from engine.spec_decode.rejection_sampler import RejectionSampler
 __all__ = ["Proposer", "RejectionSampler", "SpecDecodeStats", "can_speculate", "make_proposer", "max_drafts"]
 
 
-def make_proposer(config, num_blocks: int, vocab_size: int) -> Proposer | None:
-    """The proposer `config.speculative_config` asks for, or None when speculation is off."""
+def make_proposer(config, target_blocks, vocab_size: int, draft_device=None) -> Proposer | None:
+    """The proposer `config.speculative_config` asks for, or None when speculation is off.
+    `target_blocks`: the target's `BlockManager`, whose block count and size a draft model copies;
+    `draft_device`: where the draft model runs (None: where the config's device resolves here)."""
     spec = config.speculative_config
     if spec is None:
         return None
@@ -32,4 +34,6 @@ def make_proposer(config, num_blocks: int, vocab_size: int) -> Proposer | None:
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
     from engine.spec_decode.draft_model import DraftModelProposer
 
-    return DraftModelProposer(config, num_blocks, vocab_size)
+    return DraftModelProposer(
+        config, target_blocks.num_blocks, target_blocks.block_size, vocab_size, device=draft_device
+    )

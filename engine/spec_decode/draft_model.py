@@ -1,13 +1,14 @@
 """Draft-model proposer: a smaller checkpoint with the same tokenizer drafts k tokens autoregressively.
 
-The draft runs in the driver process on its own `ModelRunner` (one rank, the engine's device and
-dtype) with its own KV cache and `BlockManager` (no prefix caching), as many blocks as the target
-has, so it has room whenever the target has. Each request has a shadow `Request` there: the tokens
-the draft has computed KV for. Before drafting, that state is cut back to the longest prefix that
-still agrees with the request's verified tokens (rejected drafts roll back here too), then one
-forward catches up on the new tokens and samples the first draft, and k - 1 one-token steps follow.
-Drafts are sampled from the draft's filtered distribution (greedy: argmax), which is recorded as q
-for the rejection sampler.
+The draft runs in the driver process on its own `ModelRunner` (one rank, the engine's dtype). Its
+device is the target's, or under tensor parallelism rank 0's GPU, which the driver shares and whose
+KV cache leaves room for it (`draft_reservation`). It has its own KV cache and `BlockManager` (no
+prefix caching), as many blocks as the target has, of the same size, so it has room whenever the
+target has. Each request has a shadow `Request` there: the tokens the draft has computed KV for.
+Before drafting, that state is cut back to the longest prefix that still agrees with the request's
+verified tokens (rejected drafts roll back here too), then one forward catches up on the new tokens
+and samples the first draft, and k - 1 one-token steps follow. Drafts are sampled from the draft's
+filtered distribution (greedy: argmax), which is recorded as q for the rejection sampler.
 """
 
 import torch
@@ -22,7 +23,7 @@ from engine.spec_decode.proposer import Proposer, can_speculate, max_drafts
 from models.gguf import checkpoint_dir
 
 
-def draft_reservation(config: EngineConfig, dtype: torch.dtype) -> DraftReservation:
+def draft_reservation(config: EngineConfig, dtype: torch.dtype, block_size: int) -> DraftReservation:
     """The draft model's weight bytes and KV bytes per block, from its config alone (the model is
     built on the meta device: no memory), so the target's KV cache leaves room for it before the
     draft loads. Unquantized bytes: a quantized draft takes less, never more."""
@@ -36,12 +37,29 @@ def draft_reservation(config: EngineConfig, dtype: torch.dtype) -> DraftReservat
     kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     return DraftReservation(
         weight_bytes=sum(p.numel() for p in model.parameters()) * size,
-        block_bytes=2 * hf.num_hidden_layers * config.block_size * kv_heads * head_dim * size,
+        block_bytes=2 * hf.num_hidden_layers * block_size * kv_heads * head_dim * size,
     )
 
 
+def draft_reservation_on(runner: ModelRunner) -> DraftReservation | None:
+    """What the engine's draft model will take on `runner`'s GPU, when it goes there: the runner of
+    a single-rank engine, or rank 0's. None without a draft model, and on CPU (no profiling there)."""
+    spec = runner.config.speculative_config
+    if spec is None or spec.method != "draft_model" or runner.device.type != "cuda":
+        return None
+    return draft_reservation(runner.config, runner.dtype, runner.block_size)
+
+
 class DraftModelProposer(Proposer):
-    def __init__(self, config: EngineConfig, num_blocks: int, vocab_size: int, seed: int = 0):
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        block_size: int,
+        vocab_size: int,
+        device: torch.device | None = None,
+        seed: int = 0,
+    ):
         spec = config.speculative_config
         draft_config = config.model_copy(
             update=dict(
@@ -49,15 +67,16 @@ class DraftModelProposer(Proposer):
                 tokenizer=None,
                 speculative_config=None,
                 num_kv_blocks=num_blocks,
+                block_size=block_size,
                 tensor_parallel_size=1,
                 expert_parallel_size=1,
                 distributed_executor_backend="uni",
             )
         )
         self.k, self.vocab_size = spec.num_speculative_tokens, vocab_size
-        self.runner = ModelRunner(draft_config)
+        self.runner = ModelRunner(draft_config, device=device)
         self.runner.allocate_kv_cache(num_blocks)
-        self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=False)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.shadows: dict[str, Request] = {}
         self.generator = torch.Generator().manual_seed(seed)
 

@@ -38,6 +38,8 @@ class RejectionSampler:
         [k, vocab] the draft distribution each draft was drawn from (None: one-hot, e.g. ngram).
         Returns the accepted drafts followed by one token from the target (1 to k + 1 tokens)."""
         params = request.sampling_params
+        if draft_probs is not None:  # a draft on rank 0's GPU, a tensor-parallel target's logits on the host
+            draft_probs = draft_probs.to(logits.device)
         if min_tokens_blocked(request):
             logits = logits.clone()  # a view of the step's logits: leave those as the model made them
             for i in range(logits.shape[0]):

@@ -323,3 +323,95 @@ def test_spread_places_a_tensor_parallel_group_across_two_nodes(checkpoint):
     assert "STRICT_PACK" in result["strict_pack_error"] and "SPREAD" in result["strict_pack_error"]
     assert len(set(result["nodes"])) == 2
     assert result["tokens"] == result["single"]
+
+
+# --- a draft model beside tensor-parallel ranks, on a Serve replica's bundles ---------------------
+
+FAKE_GPUS = """
+import json, sys
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from cluster.config import PoolConfig
+from deployments.app import pool_deployment_options
+
+path = sys.argv[1]
+# Ray is told of two GPUs this machine does not have: it schedules and sets CUDA_VISIBLE_DEVICES as on a
+# GPU node, and the ranks, finding no CUDA, run on the CPU (gloo).
+ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+engine = dict(tensor_parallel_size=2, cpus_per_rank=0.25, distributed_backend="gloo",
+              num_kv_blocks=64, speculative_config=spec)
+pool = PoolConfig.model_validate({"name": "chat", "model": path, "engine": engine})
+options = pool_deployment_options(pool, cluster_has_gpus=True)
+pg = ray.util.placement_group(options["placement_group_bundles"], strategy="STRICT_PACK")
+ray.get(pg.ready(), timeout=60)
+
+
+def refusal(rank0):
+    from engine.executor.ray_distributed import draft_device
+
+    try:
+        return str(draft_device(rank0))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+@ray.remote
+class Replica:
+    def run(self):
+        from engine import LLM, SamplingParams
+        from engine.executor.ray_distributed import draft_device
+
+        llm = LLM(path, **engine)
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        prompts = [[5, 6, 7, 8, 9], list(range(10, 40))]
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        stats = llm.engine.spec_decode_stats
+        rank0 = llm.engine.executor.rank_info[0]
+        on_a_gpu = dict(rank0, device="cuda:0")  # what rank 0 reports on a real GPU
+        result = {
+            "replica_gpus": ray.get_gpu_ids(),
+            "rank_gpus": [info["gpu_ids"] for info in llm.engine.executor.rank_info],
+            "draft_device": str(llm.engine.executor.draft_device),
+            "draft_device_on_a_gpu": str(draft_device(on_a_gpu)),
+            "rank_1s_gpu": refusal(dict(on_a_gpu, gpu_ids=llm.engine.executor.rank_info[1]["gpu_ids"])),
+            "tokens": tokens,
+            "drafted": stats.num_draft_tokens,
+            "accepted": stats.num_accepted_tokens,
+        }
+        llm.engine.shutdown()
+        result["plain"] = [o.outputs[0].token_ids for o in LLM(path, num_kv_blocks=64).generate(prompts, params)]
+        return result
+
+
+strategy = PlacementGroupSchedulingStrategy(pg, 0)
+replica = Replica.options(**options["ray_actor_options"], scheduling_strategy=strategy).remote()
+print("RESULT " + json.dumps(ray.get(replica.run.remote(), timeout=240)))
+ray.shutdown()
+"""
+
+
+def test_a_draft_model_shares_rank_0s_gpu_with_the_replica_that_runs_it(checkpoint):
+    """A Serve replica of a tensor-parallel pool with a draft model: the replica runs the draft, so
+    it reserves a share of bundle 0's GPU, and rank 0 the rest; Ray shows both the same GPU. The
+    GPUs are Ray's count only (its own Ray in a subprocess, told of two GPUs), the model runs on CPU:
+    the speculative tokens equal plain decoding's, and the draft device rank 0's GPU would give is
+    that GPU as the replica sees it, and one it cannot see is an error."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(FAKE_GPUS), checkpoint("llama")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[0].removeprefix("RESULT "))
+    assert len(result["replica_gpus"]) == 1 and result["rank_gpus"][0] == result["replica_gpus"]
+    assert result["rank_gpus"][1] != result["rank_gpus"][0]
+    assert result["draft_device"] == "cpu"  # the ranks found no CUDA
+    assert result["draft_device_on_a_gpu"] == "cuda:0"  # the one GPU the replica sees
+    # A draft beside a rank whose GPU this process cannot see is refused, naming the setting.
+    assert result["rank_1s_gpu"].startswith("InsufficientResourcesError: speculative_config: ")
+    assert result["tokens"] == result["plain"]
+    assert result["accepted"] == result["drafted"] > 0  # the draft is the target itself

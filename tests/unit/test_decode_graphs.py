@@ -165,7 +165,7 @@ def test_the_engine_decoding_through_graph_buffers_generates_hugging_faces_token
     graphs' static buffers (the eager stand-in for a replay): prompts of different lengths finish at
     different steps, so the batch shrinks through the captured sizes."""
     monkeypatch.setattr(paged_kernel, "_KERNEL", varlen_attn_reference)
-    monkeypatch.setattr("engine.model_runner.select_attention_backend", lambda *args: "flash_varlen")
+    monkeypatch.setattr("engine.model_runner.resolve_attention", lambda *args: ("flash_varlen", args[-1]))
     llm = LLM(checkpoint, block_size=256, num_kv_blocks=8, max_num_seqs=4, enable_prefix_caching=False)
     runner = llm.engine.runner
     runner.graphs = runner.capture_decode_graphs(capture=False)

@@ -69,7 +69,7 @@ def test_profile_run_forwards_the_largest_step_and_lets_go_of_its_cache(checkpoi
     config = EngineConfig(model=checkpoint, max_num_batched_tokens=300, max_model_len=256, max_num_seqs=8)
     runner = ModelRunner(config)
     profile_kv = runner.profile_run()
-    blocks = -(-256 // config.block_size) + -(-44 // config.block_size)
+    blocks = -(-256 // runner.block_size) + -(-44 // runner.block_size)
     assert profile_kv == (blocks + 1) * runner._block_bytes()  # and the scratch block
     assert all(layer.k_cache is None for layer in runner.model.attention_layers())
     runner.allocate_kv_cache(runner.available_kv_blocks())
@@ -82,8 +82,9 @@ def test_draft_reservation_matches_what_the_loaded_draft_holds(checkpoint, tmp_p
     draft_path = str(make_checkpoint(tmp_path / "draft", "qwen3", num_hidden_layers=1))
     spec = dict(method="draft_model", num_speculative_tokens=2, model=draft_path)
     config = EngineConfig(model=checkpoint, speculative_config=spec, cpu_weight_prepack=False)
-    reservation = draft_reservation(config, torch.float32)
-    draft = ModelRunner(config.model_copy(update=dict(model=draft_path, speculative_config=None)))
+    reservation = draft_reservation(config, torch.float32, block_size=32)
+    draft_config = config.model_copy(update=dict(model=draft_path, speculative_config=None, block_size=32))
+    draft = ModelRunner(draft_config)
     assert reservation.weight_bytes == draft.weight_bytes()
     assert reservation.block_bytes == draft._block_bytes()
 

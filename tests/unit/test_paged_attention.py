@@ -18,7 +18,7 @@ from cluster.config import EngineConfig
 from engine import LLM, SamplingParams
 from engine.block_manager import NULL_BLOCK
 from models.attention import build_attention_metadata, paged_attention
-from models.paged_kernel import PAGE_MULTIPLE, select_attention_backend
+from models.paged_kernel import PAGE_MULTIPLE, resolve_attention, select_attention_backend
 from tests.hf_models import TINY_CONFIG
 
 BLOCK = PAGE_MULTIPLE
@@ -183,7 +183,7 @@ def test_the_engine_on_the_flash_backend_generates_hugging_faces_tokens(windowed
         return varlen_attn_reference(query, *args, **kwargs)
 
     monkeypatch.setattr(paged_kernel, "_KERNEL", recording_kernel)
-    monkeypatch.setattr("engine.model_runner.select_attention_backend", lambda *args: "flash_varlen")
+    monkeypatch.setattr("engine.model_runner.resolve_attention", lambda *args: ("flash_varlen", args[-1]))
     llm = LLM(path, block_size=BLOCK, num_kv_blocks=8, max_num_batched_tokens=64, enable_prefix_caching=False)
     assert llm.engine.runner.attention_backend == "flash_varlen"
     g = torch.Generator().manual_seed(3)
@@ -248,10 +248,39 @@ def test_the_kernel_is_found_by_its_signature(monkeypatch):
     assert paged_kernel.varlen_kernel() is None
 
 
-def test_config_gives_cuda_pages_of_256_and_refuses_a_flash_backend_it_cannot_run():
-    assert EngineConfig(model="m").block_size == 16
-    assert EngineConfig(model="m", device="cuda").block_size == 256
-    assert EngineConfig(model="m", device="cuda", attention_backend="torch").block_size == 16
+def test_an_unset_block_size_is_chosen_on_the_device():
+    """`device: auto` does not know at validation whether a GPU will run the engine: the rank decides,
+    256 where flash_varlen runs (a made-up sm90 with the kernel), 16 elsewhere, a set size kept."""
+    gpu = dict(kernel_available=True, compute_capability=(9, 0))
+    assert resolve_attention("auto", CUDA, torch.bfloat16, 128, None, **gpu) == ("flash_varlen", 256)
+    assert resolve_attention("auto", torch.device("cpu"), torch.float32, 128, None) == ("torch", 16)
+    assert resolve_attention("torch", CUDA, torch.bfloat16, 128, None, **gpu) == ("torch", 16)
+    assert resolve_attention("auto", CUDA, torch.float32, 128, None, **gpu) == ("torch", 16)
+    older_torch = dict(kernel_available=False, compute_capability=(9, 0))
+    assert resolve_attention("auto", CUDA, torch.bfloat16, 128, None, **older_torch) == ("torch", 16)
+    assert resolve_attention("auto", CUDA, torch.bfloat16, 128, 32, **gpu) == ("torch", 32)
+    assert resolve_attention("auto", CUDA, torch.bfloat16, 128, 512, **gpu) == ("flash_varlen", 512)
+    with pytest.raises(ValueError, match=r"^attention_backend: .*torch 2.13"):
+        resolve_attention("flash_varlen", CUDA, torch.bfloat16, 128, None, **older_torch)
+
+
+def test_the_engine_takes_its_block_size_from_the_ranks(windowed_checkpoint, monkeypatch):
+    """The block manager, the context limit and the cache use the size the runner chose (made up
+    here: 8), not the config's unset one; the engine still generates Hugging Face's tokens."""
+    path, hf = windowed_checkpoint
+    monkeypatch.setattr("engine.model_runner.resolve_attention", lambda *args: ("torch", 8))
+    llm = LLM(path, num_kv_blocks=40, max_num_batched_tokens=64)
+    assert llm.engine.config.block_size is None
+    assert llm.engine.block_manager.block_size == 8 and llm.engine.max_model_len == 320
+    prompt = list(range(3, 40))
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert out[0].outputs[0].token_ids == expected[0, len(prompt) :].tolist()
+
+
+def test_config_leaves_the_block_size_to_the_device_and_refuses_a_flash_backend_it_cannot_run():
+    assert EngineConfig(model="m").block_size is None
+    assert EngineConfig(model="m", device="cuda").block_size is None
     assert EngineConfig(model="m", device="cuda", block_size=32).block_size == 32
     with pytest.raises(ValueError, match="block_size: attention_backend flash_varlen"):
         EngineConfig(model="m", device="cuda", attention_backend="flash_varlen", block_size=16)

@@ -173,6 +173,9 @@ def test_only_the_serve_default_policy_leaves_serves_router():
     pool = PoolConfig.model_validate({"name": "chat", "model": "demo:raylane-llama-tiny", "engine": {}})
     config = pool_deployment_options(pool)["request_router_config"]
     assert config.request_router_class == "deployments.request_router.PrefixAwareRouter"
-    assert config.request_router_kwargs["block_chars"] == 4 * pool.engine.block_size
+    assert config.request_router_kwargs["block_chars"] == 64  # 4 characters a token, 16-token blocks
+    engine = {"block_size": 32}
+    sized = PoolConfig.model_validate({"name": "chat", "model": "demo:raylane-llama-tiny", "engine": engine})
+    assert pool_deployment_options(sized)["request_router_config"].request_router_kwargs["block_chars"] == 128
     default = pool.model_copy(update={"routing": pool.routing.model_copy(update={"policy": "serve_default"})})
     assert "request_router_config" not in pool_deployment_options(default)
