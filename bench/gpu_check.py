@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     for family, path in models.items():
         if family != "llama-draft":
             checks.append(parity(family, path, device, dtype, sizes["parity_tokens"]))
-    checks.append(graphs_identity(models["llama"], device, dtype, sizes["parity_tokens"]))
+    checks.extend(graphs_identity(models["llama"], device, dtype, sizes["parity_tokens"]))
     checks.append(int8_agreement(models["llama"], device, sizes["parity_tokens"]))
     checks.append(
         speculative_identity(models["llama"], models["llama-draft"], device, sizes["parity_tokens"])
@@ -235,17 +235,27 @@ def graphs_identity(path: str, device: str, dtype, n: int) -> dict[str, Any]:
     token_prompts = prompts(path, PARITY_PROMPTS)
     args = dict(device=device, dtype=dtype_name(dtype))
     with LLM(path, **args) as llm:
-        sizes = llm.engine.runner.graphs.sizes if llm.engine.runner.graphs else "none"
+        runner = llm.engine.runner
+        sizes = runner.graphs.sizes if runner.graphs else "none"
+        held, budgeted = runner.graph_bytes, runner.kv_split.graph_bytes if runner.kv_split else 0
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         graphs = [o.outputs[0].token_ids for o in llm.generate(token_prompts, params)]
     eager = raylane_greedy(path, token_prompts, n, enforce_eager=True, **args)
     same = sum(a == b for a, b in zip(graphs, eager, strict=True))
-    return {
-        "check": "CUDA graphs = eager",
-        "value": f"{same}/{len(eager)} identical (graphs captured: {sizes})",
-        "goal": "all identical, graphs captured",
-        "ok": same == len(eager) and (sizes != "none" or device == "cpu"),
-    }
+    return [
+        {
+            "check": "CUDA graphs = eager",
+            "value": f"{same}/{len(eager)} identical (graphs captured: {sizes})",
+            "goal": "all identical, graphs captured",
+            "ok": same == len(eager) and (sizes != "none" or device == "cpu"),
+        },
+        {
+            "check": "CUDA graph memory within the KV budget's share",
+            "value": f"held {held / 2**20:.1f} MiB, budgeted {budgeted / 2**20:.1f} MiB",
+            "goal": "held <= budgeted",
+            "ok": held <= budgeted if sizes != "none" else None,
+        },
+    ]
 
 
 def int8_agreement(path: str, device: str, n: int) -> dict[str, Any]:

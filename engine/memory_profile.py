@@ -4,7 +4,8 @@ Sizing the cache from free memory alone (what was free after the weights loaded)
 the activations of a full step, and a first large batch then runs out of memory. So the runner first
 forwards a dummy batch of `max_num_batched_tokens` tokens (the largest step the scheduler can make)
 and reads the allocator's peak; the cache gets what is left under `gpu_memory_utilization` once
-everything in use now, that peak and a draft model are counted. The numbers come in a
+everything in use now, that peak, the decode CUDA graphs' memory (the largest graph captured once on a
+throwaway cache: the others share its pool) and a draft model are counted. The numbers come in a
 `MemoryReport` (from `torch.cuda` on a GPU; tests pass made-up ones), so this module is pure
 arithmetic and runs anywhere.
 """
@@ -25,6 +26,7 @@ class MemoryReport:
     allocated_bytes: int  # held by this process's tensors now (the weights)
     peak_allocated_bytes: int  # the allocator's peak during the profiling step
     profile_kv_bytes: int = 0  # the small cache the profiling step wrote to, part of the peak
+    graph_bytes: int = 0  # what the decode CUDA graphs will hold (0: none captured)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +47,7 @@ class KVCacheSplit:
     in_use_bytes: int  # weights, CUDA context, other processes
     weight_bytes: int
     activation_bytes: int
+    graph_bytes: int  # the decode CUDA graphs' memory pool, held beside every eager step's activations
     draft_bytes: int  # draft weights + its KV cache
     kv_bytes: int  # the target's KV cache
     num_blocks: int
@@ -53,7 +56,8 @@ class KVCacheSplit:
         return (
             f"GPU memory budget {self.budget_bytes / GiB:.2f} GiB: in use {self.in_use_bytes / GiB:.2f} "
             f"(weights {self.weight_bytes / GiB:.2f}), activations {self.activation_bytes / GiB:.2f}, "
-            f"draft {self.draft_bytes / GiB:.2f}, KV cache {self.kv_bytes / GiB:.2f} GiB "
+            f"CUDA graphs {self.graph_bytes / GiB:.2f}, draft {self.draft_bytes / GiB:.2f}, "
+            f"KV cache {self.kv_bytes / GiB:.2f} GiB "
             f"({self.num_blocks} blocks)"
         )
 
@@ -73,13 +77,14 @@ def kv_cache_split(
     activations = max(0, report.peak_allocated_bytes - report.allocated_bytes - report.profile_kv_bytes)
     draft_weights = draft.weight_bytes if draft else 0
     per_block = block_bytes + (draft.block_bytes if draft else 0)
-    left = budget - in_use - activations - draft_weights
+    left = budget - in_use - activations - report.graph_bytes - draft_weights
     num_blocks = max(0, left // per_block)
     split = KVCacheSplit(
         budget_bytes=budget,
         in_use_bytes=in_use,
         weight_bytes=report.allocated_bytes,
         activation_bytes=activations,
+        graph_bytes=report.graph_bytes,
         draft_bytes=draft_weights + num_blocks * (per_block - block_bytes),
         kv_bytes=num_blocks * block_bytes,
         num_blocks=num_blocks,
@@ -88,6 +93,6 @@ def kv_cache_split(
         raise ValueError(
             f"gpu_memory_utilization={gpu_memory_utilization} leaves no room for the KV cache: "
             f"{split.describe()}; raise gpu_memory_utilization, lower max_num_batched_tokens, "
-            "or use more GPUs (tensor_parallel_size)"
+            "enforce_eager: true (no CUDA graphs), or use more GPUs (tensor_parallel_size)"
         )
     return split

@@ -15,7 +15,7 @@ import torch
 
 from cluster.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs, capture_sizes
-from engine.memory_profile import DraftReservation, MemoryReport, kv_cache_split
+from engine.memory_profile import DraftReservation, KVCacheSplit, MemoryReport, kv_cache_split
 from models import load_model
 from models.attention import build_attention_metadata
 from models.gguf import checkpoint_dir
@@ -77,6 +77,8 @@ class ModelRunner:
         )
         logger.info("attention backend: %s, KV blocks of %d tokens", self.attention_backend, self.block_size)
         self.graphs: DecodeGraphs | None = None  # captured after the KV cache is allocated
+        self.graph_bytes = 0  # what the captured graphs hold on the GPU
+        self.kv_split: KVCacheSplit | None = None  # how the GPU's budget was shared out (CUDA only)
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's weights: parameters (a tied embedding counted once) and packed weights."""
@@ -90,11 +92,11 @@ class ModelRunner:
             return self.config.num_kv_blocks
         if self.device.type != "cuda":
             return max(1, int(self.config.kv_cache_memory_gb * 2**30 // self._block_bytes()))
-        split = kv_cache_split(
+        self.kv_split = kv_cache_split(
             self.profile_memory(), self.config.gpu_memory_utilization, self._block_bytes(), draft
         )
-        logger.info("%s", split.describe())
-        return max(1, split.num_blocks - 1)  # the scratch block comes out of the same budget
+        logger.info("%s", self.kv_split.describe())
+        return max(1, self.kv_split.num_blocks - 1)  # the scratch block comes out of the same budget
 
     def _block_bytes(self) -> int:
         shape = self.model.kv_cache_shape_per_block(self.block_size)
@@ -113,7 +115,38 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(device)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        return MemoryReport(total, free, allocated, peak, profile_kv_bytes)
+        graph_bytes = self.profile_graph_memory() if self.uses_cuda_graphs else 0
+        return MemoryReport(total, free, allocated, peak, profile_kv_bytes, graph_bytes)
+
+    def profile_graph_memory(self) -> int:
+        """Bytes the decode CUDA graphs will hold, so the KV cache leaves them room: the largest
+        batch's graph captured on a throwaway cache of one block (the smaller graphs share its memory
+        pool), measured and let go."""
+        self.allocate_kv_cache(1, log=False, capture=False)
+        try:
+            graphs, graph_bytes = self._reserved_growth(
+                lambda: self.capture_decode_graphs(sizes=[self.config.max_num_seqs])
+            )
+            del graphs
+        except RuntimeError:  # capture fails here as it will after the cache: decoding is eager then
+            graph_bytes = 0
+        finally:
+            self.num_blocks = 0
+            for layer in self.model.attention_layers():
+                layer.bind_kv_cache(None, None)
+        torch.cuda.empty_cache()
+        return graph_bytes
+
+    def _reserved_growth(self, make):
+        """(make(), how much more memory the allocator holds afterwards): a graph's private pool and
+        static buffers, not the warm-up's activations, which empty_cache gives back."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(self.device)
+        made = make()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return made, torch.cuda.memory_reserved(self.device) - before
 
     @torch.inference_mode()
     def profile_run(self) -> int:
@@ -166,7 +199,8 @@ class ModelRunner:
             )
         if capture and self.uses_cuda_graphs:
             try:
-                self.graphs = self.capture_decode_graphs()
+                self.graphs, self.graph_bytes = self._reserved_growth(self.capture_decode_graphs)
+                logger.info("CUDA graphs hold %.1f MiB", self.graph_bytes / 2**20)
             except RuntimeError as error:  # a layer that reads back to the host cannot be captured
                 logger.warning(
                     "CUDA graphs: capture failed, decoding eagerly (enforce_eager: true): %s", error
@@ -179,14 +213,15 @@ class ModelRunner:
         return cuda_flash and not self.config.enforce_eager
 
     @torch.inference_mode()
-    def capture_decode_graphs(self, capture: bool = True) -> DecodeGraphs:
-        """Graphs for decode batches of 1, 2, 4, ... up to max_num_seqs requests, each as long as
-        max_model_len (the block table's width). `capture` False: the CPU tests' eager stand-in."""
+    def capture_decode_graphs(self, capture: bool = True, sizes: list[int] | None = None) -> DecodeGraphs:
+        """Graphs for decode batches of `sizes` requests (default 1, 2, 4, ... up to max_num_seqs),
+        each as long as max_model_len (the block table's width). `capture` False: the CPU tests'
+        eager stand-in."""
         max_len = self.config.max_model_len or self.hf_config.max_position_embeddings
         start = time.perf_counter()
         graphs = DecodeGraphs(
             self.model,
-            capture_sizes(self.config.max_num_seqs),
+            sizes or capture_sizes(self.config.max_num_seqs),
             max_pages=-(-max_len // self.block_size),
             block_size=self.block_size,
             scratch_block=self.scratch_block,

@@ -380,7 +380,8 @@ class Replica:
             "accepted": stats.num_accepted_tokens,
         }
         llm.engine.shutdown()
-        result["plain"] = [o.outputs[0].token_ids for o in LLM(path, num_kv_blocks=64).generate(prompts, params)]
+        plain = LLM(path, num_kv_blocks=64).generate(prompts, params)
+        result["plain"] = [o.outputs[0].token_ids for o in plain]
         return result
 
 

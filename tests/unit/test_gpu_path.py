@@ -52,6 +52,15 @@ def test_a_draft_model_on_the_same_gpu_gets_its_weights_and_a_matching_cache():
     assert shared.num_blocks < alone.num_blocks
 
 
+def test_the_decode_graphs_memory_comes_out_of_the_cache():
+    """The graphs' pool is held beside every eager step's activations: the cache must leave it room."""
+    plain, graphs = kv_cache_split(report(), 0.9, BLOCK), kv_cache_split(report(graph_bytes=GiB), 0.9, BLOCK)
+    assert graphs.graph_bytes == GiB and "CUDA graphs 1.00" in graphs.describe()
+    used = graphs.in_use_bytes + graphs.activation_bytes + graphs.graph_bytes + graphs.kv_bytes
+    assert used <= 0.9 * 80 * GiB < used + BLOCK
+    assert plain.num_blocks - graphs.num_blocks == pytest.approx(GiB / BLOCK, abs=1)
+
+
 def test_no_room_for_the_cache_is_an_error_naming_the_setting_and_the_split():
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.25 .*activations 3.00"):
         kv_cache_split(report(), 0.25, BLOCK)
