@@ -32,8 +32,10 @@ class MemoryReport:
 @dataclass(frozen=True, slots=True)
 class DraftReservation:
     """What a speculative-decoding draft model on the same device will take: its weights, and a KV
-    cache with as many blocks as the target's. Its activations are not counted: it runs between the
-    target's steps, on fewer tokens, inside the memory the target's peak already reserved."""
+    cache with as many blocks as the target's. Its activations are not counted: in the target's
+    process it runs between the target's steps, on fewer tokens, inside the memory the target's peak
+    already reserved. Beside tensor-parallel ranks it runs in the driver, another process, whose CUDA
+    context and activations come out of the headroom that `gpu_memory_utilization` leaves."""
 
     weight_bytes: int
     block_bytes: int

@@ -276,6 +276,20 @@ def test_engine_inside_an_actor_uses_that_actors_placement_group(ray_cluster, ch
     assert tokens == single.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids
 
 
+def run_with_its_own_ray(script: str, *args: str) -> dict:
+    """Run `script` (which starts a Ray of its own) in a subprocess; the dict it printed as RESULT."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[0].removeprefix("RESULT "))
+
+
 # --- a group spread over two nodes -------------------------------------------------------------
 
 TWO_NODES = """
@@ -310,16 +324,7 @@ print("RESULT " + json.dumps(result))
 
 def test_spread_places_a_tensor_parallel_group_across_two_nodes(checkpoint):
     """Its own Ray (two raylets on this machine) in a subprocess: the session's Ray stays one node."""
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(TWO_NODES), checkpoint("llama")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[0].removeprefix("RESULT "))
+    result = run_with_its_own_ray(TWO_NODES, checkpoint("llama"))
     assert "STRICT_PACK" in result["strict_pack_error"] and "SPREAD" in result["strict_pack_error"]
     assert len(set(result["nodes"])) == 2
     assert result["tokens"] == result["single"]
@@ -398,16 +403,7 @@ def test_a_draft_model_shares_rank_0s_gpu_with_the_replica_that_runs_it(checkpoi
     GPUs are Ray's count only (its own Ray in a subprocess, told of two GPUs), the model runs on CPU:
     the speculative tokens equal plain decoding's, and the draft device rank 0's GPU would give is
     that GPU as the replica sees it, and one it cannot see is an error."""
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(FAKE_GPUS), checkpoint("llama")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[0].removeprefix("RESULT "))
+    result = run_with_its_own_ray(FAKE_GPUS, checkpoint("llama"))
     assert len(result["replica_gpus"]) == 1 and result["rank_gpus"][0] == result["replica_gpus"]
     assert result["rank_gpus"][1] != result["rank_gpus"][0]
     assert result["draft_device"] == "cpu"  # the ranks found no CUDA
