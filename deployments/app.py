@@ -23,7 +23,7 @@ from deployments.autoscaling import LLMAutoscalingPolicy
 from deployments.gateway import Gateway
 from deployments.model_pool import ModelPool
 from deployments.request_router import PrefixAwareRouter
-from engine.executor.placement import DRIVER_GPU_SHARE, drives_a_draft_model
+from engine.executor.placement import DRIVER_GPU_SHARE
 
 APP_NAME = "raylane"
 # At tensor-parallel size > 1 every rank is an actor; the replica itself only schedules and samples.
@@ -62,7 +62,7 @@ def pool_deployment_options(
     else:  # rank i's actor runs in bundle i (engine/executor/placement.py); the replica shares bundle 0
         bundles = [{**rank, "CPU": rank["CPU"] + REPLICA_DRIVER_CPUS}] + [rank] * (pool.world_size - 1)
         actor = {"num_cpus": REPLICA_DRIVER_CPUS}
-        if gpus and drives_a_draft_model(pool.engine):  # the draft runs in the replica, on rank 0's GPU
+        if gpus and pool.engine.uses_draft_model:  # the draft runs in the replica, on rank 0's GPU
             actor["num_gpus"] = DRIVER_GPU_SHARE
     replicas = pool.replicas
     options: dict[str, Any] = {

@@ -131,9 +131,7 @@ class ModelRunner:
         except RuntimeError:  # capture fails here as it will after the cache: decoding is eager then
             graph_bytes = 0
         finally:
-            self.num_blocks = 0
-            for layer in self.model.attention_layers():
-                layer.bind_kv_cache(None, None)
+            self._release_kv_cache()
         torch.cuda.empty_cache()
         return graph_bytes
 
@@ -172,10 +170,14 @@ class ModelRunner:
             sample_indices=list(range(min(tokens, self.config.max_num_seqs))),
         )
         self.execute_model(batch)
+        self._release_kv_cache()
+        return (next_block + 1) * self._block_bytes()  # and the scratch block
+
+    def _release_kv_cache(self) -> None:
+        """Let go of a profiling step's throwaway cache."""
         self.num_blocks = 0
         for layer in self.model.attention_layers():
             layer.bind_kv_cache(None, None)
-        return (next_block + 1) * self._block_bytes()  # and the scratch block
 
     def allocate_kv_cache(self, num_blocks: int, log: bool = True, capture: bool = True) -> None:
         """`num_blocks` for the block manager, and one more: the scratch block (index num_blocks)

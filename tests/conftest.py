@@ -10,6 +10,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# Measured first, before the session-scoped router app exists: with its four replicas idling beside
+# it (health probes every 0.5 s, metric reports), the flood's CPU on two cores pushed premium TTFT
+# from a median 1.48x of unloaded (seven runs alone) to 1.73x, then past the 2x bound, in two runs
+# after test_poisoned_requests, and to 2.01x in one whole-suite run.
+MEASURED_ON_A_QUIET_MACHINE = ("tests/reliability/test_overload.py",)
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: not item.nodeid.startswith(MEASURED_ON_A_QUIET_MACHINE))  # stable
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(family) -> path of a tiny random HF checkpoint of that family (cached)."""

@@ -161,6 +161,11 @@ class EngineConfig(StrictModel):
         return self.tensor_parallel_size * self.expert_parallel_size
 
     @property
+    def uses_draft_model(self) -> bool:
+        """Whether speculative decoding drafts with a model, which runs where the engine's driver runs."""
+        return self.speculative_config is not None and self.speculative_config.method == "draft_model"
+
+    @property
     def uses_core_process(self) -> bool:
         """Whether AsyncLLM runs this engine in a process of its own."""
         one_rank_here = self.distributed_executor_backend != "ray" and self.world_size == 1

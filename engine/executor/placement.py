@@ -21,12 +21,6 @@ def rank_bundle(cpus_per_rank: float, use_gpu: bool) -> dict[str, float]:
     return {"CPU": cpus_per_rank, **({"GPU": 1.0} if use_gpu else {})}
 
 
-def drives_a_draft_model(config) -> bool:
-    """Whether the driver of this engine's ranks runs a draft model (on rank 0's GPU, where there is one)."""
-    spec = config.speculative_config
-    return spec is not None and spec.method == "draft_model"
-
-
 def rank_gpus(rank: int, use_gpu: bool, driver_shares_gpu: bool) -> float:
     """The GPU a rank's actor reserves: one, less the driver's share on rank 0 when the driver runs a
     draft model there."""

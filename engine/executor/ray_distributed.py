@@ -25,7 +25,7 @@ from transformers import AutoConfig
 from cluster.config import EngineConfig
 from engine.errors import EngineDeadError, InsufficientResourcesError
 from engine.executor.abstract import Executor
-from engine.executor.placement import acquire, drives_a_draft_model, rank_bundle, rank_gpus, use_gpus
+from engine.executor.placement import acquire, rank_bundle, rank_gpus, use_gpus
 from engine.executor.rank_worker import RankWorker
 from engine.model_runner import ModelInput
 from models.gguf import checkpoint_dir
@@ -80,7 +80,7 @@ class RayDistributedExecutor(Executor):
         for rank in range(self.world_size):
             options = dict(
                 num_cpus=self.config.cpus_per_rank,
-                num_gpus=rank_gpus(rank, use_gpu, drives_a_draft_model(self.config)),
+                num_gpus=rank_gpus(rank, use_gpu, self.config.uses_draft_model),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, rank),
                 max_restarts=0,
             )
@@ -98,7 +98,7 @@ class RayDistributedExecutor(Executor):
                 f"block_size: the ranks chose different KV block sizes on their devices "
                 f"({[info['block_size'] for info in infos]}); set engine.block_size"
             )
-        if drives_a_draft_model(self.config):
+        if self.config.uses_draft_model:
             self.draft_device = draft_device(infos[0])
         self._results([w.allocate_kv_cache.remote(self.num_blocks) for w in self.workers], reraise=True)
         logger.info(

@@ -44,8 +44,7 @@ def draft_reservation(config: EngineConfig, dtype: torch.dtype, block_size: int)
 def draft_reservation_on(runner: ModelRunner) -> DraftReservation | None:
     """What the engine's draft model will take on `runner`'s GPU, when it goes there: the runner of
     a single-rank engine, or rank 0's. None without a draft model, and on CPU (no profiling there)."""
-    spec = runner.config.speculative_config
-    if spec is None or spec.method != "draft_model" or runner.device.type != "cuda":
+    if not runner.config.uses_draft_model or runner.device.type != "cuda":
         return None
     return draft_reservation(runner.config, runner.dtype, runner.block_size)
 
