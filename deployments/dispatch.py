@@ -122,8 +122,11 @@ class Dispatcher:
             if isinstance(first, PoolFailure) and (again := await resumer.retry(slot.pool, first)):
                 first, call = again  # its replica died before it answered: a live one did
             if isinstance(first, PoolFailure):
-                if first.reason is FallbackReason.SATURATED:
-                    continue  # reported already: busy, not broken
+                if first.reason is FallbackReason.SATURATED:  # busy, not broken: reported already
+                    if self.config.router.overflow:
+                        continue
+                    headers = plan.headers() | {"x-request-id": request_id, "retry-after": "1"}
+                    return error_response(first.error, headers)
                 twin = next((f for _, f in suspects if f.signature == first.signature), None)
                 if first.signature is None:
                     slot.failed(first.reason)  # the pool's health: counted now
@@ -191,7 +194,8 @@ class Dispatcher:
                 return client
             if is_backpressure(e):  # Serve's queue for the pool is full: busy, not broken
                 slot.abandoned()
-                plan.chain.leave(FallbackReason.SATURATED)
+                if self.config.router.overflow:
+                    plan.chain.leave(FallbackReason.SATURATED)
                 return PoolFailure(pool, FallbackReason.SATURATED, pool_failure(e))
             error = pool_failure(e)
             logger.warning("pool %s failed before answering: %s", pool, error.message)

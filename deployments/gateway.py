@@ -51,7 +51,7 @@ from deployments.openai_schemas import (
     ModelList,
 )
 from deployments.openapi import publish, route_docs
-from deployments.pool_health import PoolHealth
+from deployments.pool_health import PoolHealth, serve_liveness
 from deployments.request_body import parse_body, read_json_object, validate_body
 from deployments.request_log import RequestLogMiddleware, router_timed
 from deployments.response_store import response_store
@@ -145,7 +145,8 @@ class Gateway:
         start_forkserver(GRAMMAR_PRELOAD)  # what its workers import, now rather than for that request
         context = serve.get_replica_context()
         self.drain = DrainWatcher(context.app_name, context.replica_id.unique_id)
-        self.pool_health = PoolHealth(self.pools, self.router, self.config.gateway.pool_health_period_s)
+        period_s, alive = self.config.gateway.pool_health_period_s, serve_liveness(context.app_name)
+        self.pool_health = PoolHealth(self.pools, self.router, period_s, alive)
         self.dispatcher = Dispatcher(self.config, self.router, self.pools, self.pool_health, self.drain)
         self._stored_responses: StoredResponses | None = None
         self.affinity = ConversationAffinity(self.config.router.affinity)
@@ -274,27 +275,35 @@ class Gateway:
         return Response(card.to_json(), media_type="application/json")
 
     @app.get("/health")
-    async def health(self) -> JSONResponse:
-        """200 when every pool answers, with each pool's load; 503 naming the pools that do not.
-        `router` has this gateway replica's view: slots in flight, waiting requests, circuit state."""
+    async def health(self, request: Request) -> JSONResponse:
+        """200 while every pool is up (`ok`, or `busy`: alive, too loaded to answer its probe in
+        time), 503 naming the pools that are down. From the health loop's last check, so a call costs
+        no round trip to the pools. With API keys configured, a caller without a valid key learns
+        only the status; with one, each pool's load and this gateway replica's `router` view too."""
         self.pool_health.watch()
         self.drain.start()
-        pools = await self.pool_health.check()
-        healthy = all(p["status"] == "ok" for p in pools.values())
+        pools = await self.pool_health.current()
+        healthy = all(p["status"] != "unavailable" for p in pools.values())
         status = "draining" if self.drain.draining else "ok" if healthy else "degraded"
+        code = 200 if status == "ok" else 503
+        if not self.may_see_internals(request):
+            return JSONResponse({"status": status}, code)
         body = {
             "status": status,
             "pools": pools,
             "router": self.pool_health.router_state(),
             "gateway": {"in_flight": self.drain.in_flight, "asyncio_tasks": len(asyncio.all_tasks())},
         }
-        return JSONResponse(body, 200 if status == "ok" else 503)
+        return JSONResponse(body, code)
 
     @app.get("/metrics")
-    async def metrics(self) -> Response:
-        """Prometheus text format, aggregated over every gateway and pool replica of the app."""
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus text format, aggregated over every gateway and pool replica of the app (behind an
+        API key when `gateway.metrics_require_key`)."""
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        if self.config.gateway.metrics_require_key:
+            self.router.authenticate(request.headers)
         return Response(await render_cluster_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -362,6 +371,14 @@ class Gateway:
         self.drain.start()
         if self.drain.draining:
             raise Draining()
+
+    def may_see_internals(self, request: Request) -> bool:
+        """Open mode, or a valid API key: /health's details (pool names, loads) are for callers."""
+        try:
+            self.router.authenticate(request.headers)
+        except RouterError:
+            return False
+        return True
 
     def authenticate(self, request: Request) -> Principal:
         self.check_open()

@@ -106,7 +106,9 @@ class Router:
             fits=lambda pool: _fits(self.pools[pool], prompt_tokens),
         )
         deadline = self.admission.clock() + principal.tier.max_queue_wait_s
-        return DispatchPlan(resolution, principal, chain, self.admission, self.breakers, deadline)
+        return DispatchPlan(
+            resolution, principal, chain, self.admission, self.breakers, deadline, self.config.overflow
+        )
 
     def check_rate(self, principal: Principal, prompt_tokens: int = 0) -> None:
         """Charge the rate limit of a request served without a pool (embeddings); 429 when over it."""

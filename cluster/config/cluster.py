@@ -62,8 +62,14 @@ class GatewayConfig(StrictModel):
     pool_health_period_s: float = Field(
         5.0,
         gt=0,
-        description="Seconds between the gateway's checks of each pool; a pool that does not "
-        "answer is skipped (its route falls back) until it answers again.",
+        description="Seconds between the gateway's checks of each pool. A pool is down (skipped; its "
+        "route falls back) only when Ray and Serve have no live replica of it: one too busy to answer "
+        "in time is `busy` and keeps its traffic.",
+    )
+    metrics_require_key: bool = Field(
+        False,
+        description="/metrics asks for an API key, as the API does (with keys configured); false: open "
+        "to any scraper that reaches the port.",
     )
     drain_timeout_s: float = Field(
         30.0,

@@ -143,6 +143,12 @@ class RouterConfig(StrictModel):
     default_max_waiting: int = Field(
         256, ge=0, description="requests that may wait for one pool (all tiers) unless the pool sets its own"
     )
+    overflow: bool = Field(
+        False,
+        description="a pool busier than the tier may wait hands the request on to the next pool of its "
+        "route's fallback chain; false: it gets 429 with Retry-After, and fallback is for outages only "
+        "(a peak on one pool then never spreads into the others)",
+    )
     fallback_for_named_models: bool = Field(
         True, description="requests naming a pool or model also fall back along that pool's route"
     )

@@ -26,8 +26,13 @@ def chat(server, model: str, tier: str | None = "premium", messages=HI, **body) 
     return httpx2.post(f"{server.base_url}/chat/completions", json=body, headers=headers, timeout=TIMEOUT_S)
 
 
+def bearer(tier: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {ROUTER_KEYS[tier]}"}
+
+
 def health(server) -> dict:
-    return httpx2.get(f"{server.url}/health", timeout=60).json()
+    """/health with a key: without one, a keyed app tells only its status."""
+    return httpx2.get(f"{server.url}/health", headers=bearer("premium"), timeout=60).json()
 
 
 def wait_for(condition, what: str, timeout_s: float = 120):
@@ -132,6 +137,21 @@ def test_a_pool_that_stops_answering_sends_its_route_down_the_fallback_chain(ser
     wait_for(lambda: health(server)["pools"]["coding"]["status"] == "ok", "coding to answer again")
     r = chat(server, "coding")
     assert r.headers["x-raylane-pool"] == "coding" and "x-raylane-fallback" not in r.headers
+
+
+def test_a_pool_too_busy_to_answer_its_probe_keeps_its_traffic(server):
+    """Busy is not down: the probe waits behind the pool's streams past its bound, but Serve and Ray
+    still have the replica, so requests go to it, not down the fallback chain, and /health stays 200."""
+    server.set_fault("coding", "busy")
+    try:
+        wait_for(lambda: health(server)["pools"]["coding"]["status"] == "busy", "coding's probe to time out")
+        r = chat(server, "coding")
+        assert r.status_code == 200, r.text
+        assert r.headers["x-raylane-pool"] == "coding" and "x-raylane-fallback" not in r.headers
+        assert httpx2.get(f"{server.url}/health", headers=bearer("premium"), timeout=30).status_code == 200
+    finally:
+        server.set_fault("coding", None)
+    wait_for(lambda: health(server)["pools"]["coding"]["status"] == "ok", "coding to answer again")
 
 
 def test_errors_open_the_circuit_and_a_successful_probe_closes_it(server):
