@@ -40,7 +40,7 @@ def peak_app(api_server, name: str, replicas: int):
     from cluster.config import default_config
 
     coding = default_config().pool("coding").model_dump(mode="json", exclude_defaults=True)
-    coding["replicas"] |= {"min_replicas": replicas, "max_replicas": replicas}
+    coding["replicas"] = coding.get("replicas", {}) | {"min_replicas": replicas, "max_replicas": replicas}
     config = {
         "pools": [coding],
         "router": {"routes": [{"name": "coding", "pool": "coding"}], "default_route": "coding"},
@@ -140,20 +140,26 @@ async def peak(url: str, halfway=None) -> tuple[list[str], list[tuple[int, float
         return outcomes, await trickling, done
 
 
-def check_outcomes(outcomes: list[str], premium: list[tuple[int, float]]) -> dict:
+def check_outcomes(
+    outcomes: list[str], premium: list[tuple[int, float]], premium_may_wait: bool = False
+) -> dict:
     counts = {kind: outcomes.count(kind) for kind in sorted(set(outcomes))}
     assert not [o for o in outcomes if o.startswith("status 5")], counts
     assert set(outcomes[0::2]) <= {"completed", "status 429"}, counts
     assert set(outcomes[1::2]) <= {"hung up", "status 429"}, counts
     assert outcomes.count("completed") > 0 and outcomes.count("hung up") > 0, counts
-    assert premium and {status for status, _ in premium} == {200}, premium
+    statuses = {status for status, _ in premium}
+    # With half its replicas gone the pool serves half as fast, and a tier's wait budget may then be
+    # too short: a 429 before any work is an answer; a 5xx is not.
+    assert 200 in statuses and statuses <= ({200, 429} if premium_may_wait else {200}), premium
     return counts
 
 
 def premium_figures(premium: list[tuple[int, float]]) -> dict:
-    latencies = sorted(s for _, s in premium)
+    latencies = sorted(s for status, s in premium if status == 200)
     return {
         "premium_requests": len(premium),
+        "premium_429": sum(status == 429 for status, _ in premium),
         "premium_p50_s": round(latencies[len(latencies) // 2], 2),
         "premium_max_s": round(latencies[-1], 2),
     }
@@ -197,7 +203,7 @@ def test_a_peak_with_a_replica_killed_halfway_loses_nothing(two_replicas, report
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
 
     outcomes, premium, done = asyncio.run(peak(two_replicas, halfway=kill))
-    counts = check_outcomes(outcomes, premium)
+    counts = check_outcomes(outcomes, premium, premium_may_wait=True)
     time.sleep(max(0.0, done + IDLE_AFTER_S - time.monotonic()))
     survivors = [r for r in replica_names(app, POOL) if r != victim]
     assert [ongoing(r) for r in survivors] == [0] * len(survivors) and gateway_load(two_replicas) == (0, 0)
