@@ -107,7 +107,9 @@ class DispatchPlan:
         while (pool := self.chain.next_pool()) is not None:
             try:
                 remaining = max(0.0, self.deadline - self.admission.clock())
-                ticket = await self.admission.acquire(pool, tier, timeout=remaining)
+                ticket = await self.admission.acquire(
+                    pool, tier, timeout=remaining, key=self.principal.key_id
+                )
             except OverloadedError as e:
                 self.breakers[pool].release_probe()
                 self.chain.leave(FallbackReason.SATURATED)

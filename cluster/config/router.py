@@ -197,6 +197,13 @@ class TierConfig(StrictModel):
         description="share of each pool's slots this tier's requests may hold at once (at least one); "
         "below 1 keeps the rest free for other tiers, so a flood of this tier never makes them wait",
     )
+    max_concurrent_per_key: int | None = Field(
+        None,
+        ge=1,
+        description="requests one API key may have held or waiting in all pools at once, per gateway "
+        "replica (429 past it, even with slots free); null = no cap: a key alone may use all its tier "
+        "may, and keys of a tier share a busy pool's slots by taking turns",
+    )
 
 
 def default_tiers() -> list[TierConfig]:
