@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from router.admission import AdmissionController, Ticket
 from router.errors import ContextLengthError, NoPoolAvailableError, OverloadedError
 from router.fallback import CircuitBreaker, FallbackChain, FallbackReason
+from router.rate_limit import RateCharge
 from router.resolve import Resolution
 from router.tiers import Principal
 
@@ -93,6 +94,7 @@ class DispatchPlan:
     admission: AdmissionController
     breakers: dict[str, CircuitBreaker]
     deadline: float  # admission clock time by which a slot must be held
+    charge: RateCharge  # the rate limit's up-front charge: settle it with the tokens used
     pool: str | None = None  # the pool of the latest slot
     _overloads: list[OverloadedError] = field(default_factory=list)
 

@@ -143,6 +143,12 @@ class RouterConfig(StrictModel):
     default_max_waiting: int = Field(
         256, ge=0, description="requests that may wait for one pool (all tiers) unless the pool sets its own"
     )
+    max_tokens_estimate: int = Field(
+        1024,
+        ge=1,
+        description="tokens a request that sets no max_tokens is charged up front per choice against "
+        "its key's tokens/min (settled with the real usage when it ends)",
+    )
     fallback_for_named_models: bool = Field(
         True, description="requests naming a pool or model also fall back along that pool's route"
     )
