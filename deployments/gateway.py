@@ -386,7 +386,12 @@ class Gateway:
         if self._stored_responses is None:
             gateway = self.config.gateway
             app_name = serve.get_replica_context().app_name
-            store = response_store(app_name, gateway.responses_max_stored, gateway.responses_ttl_s)
+            store = response_store(
+                app_name,
+                gateway.responses_max_stored,
+                gateway.responses_ttl_s,
+                gateway.responses_max_stored_per_key,
+            )
             self._stored_responses = StoredResponses(store)
         return self._stored_responses
 

@@ -77,6 +77,12 @@ class GatewayConfig(StrictModel):
         description="Most responses `/v1/responses` keeps (`store: true`, the default) for "
         "`previous_response_id`, GET and DELETE; the oldest are dropped first.",
     )
+    responses_max_stored_per_key: int = Field(
+        1_000,
+        ge=1,
+        description="Most stored responses of one API key (open mode: one client address); past it the "
+        "key's own oldest go, so one key cannot push out another's.",
+    )
     responses_ttl_s: float = Field(
         3600.0, gt=0, description="How long a stored response is kept, in seconds."
     )
