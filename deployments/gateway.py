@@ -83,8 +83,9 @@ from deployments.tokenization_schemas import (
     TokenizeResponse,
     tokenize_request_model,
 )
-from engine.grammar_compiler import BoundedWorker, GrammarTimeout, start_forkserver
+from engine.grammar_compiler import BoundedWorker, GrammarBusy, GrammarTimeout, start_forkserver
 from router import Principal, RouterError
+from router.errors import OverloadedError
 
 logger = logging.getLogger(__name__)
 # What the gateway's grammar-check workers import (deployments/sampling.py builds the grammars).
@@ -176,7 +177,7 @@ class Gateway:
         body = await self.read_charged(request, principal)  # the rate limit, before any parsing
         req = parse_bytes(body, ChatCompletionRequest)
         self.charge_output(request, principal, req.max_output_tokens, req.n)
-        params, tools = await self.prepare(chat_params, req)
+        params, tools = await self.prepare(chat_params, req, principal)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         resolution, conversation = await router_timed(
             self.affinity.resolve(self.router, req.model, messages, req.prompt_cache_key)
@@ -201,7 +202,7 @@ class Gateway:
         req = parse_bytes(body, CompletionRequest)
         self.check_batch(len(req.prompts()))
         self.charge_output(request, principal, req.max_output_tokens, req.n * len(req.prompts()))
-        params = await self.prepare(completion_params, req)
+        params = await self.prepare(completion_params, req, principal)
         texts = [p for p in req.prompts() if isinstance(p, str)]
         resolution = await router_timed(
             self.router.resolve_async(req.model, [{"role": "user", "content": t} for t in texts])
@@ -255,7 +256,7 @@ class Gateway:
         history = await self.stored_responses.history(previous, principal) if previous else []
         chat_req = to_chat_request(req, history)
         try:
-            params, plan = await self.prepare(chat_params, chat_req)
+            params, plan = await self.prepare(chat_params, chat_req, principal)
         except OpenAIError as e:
             raise responses_error(e) from None
         messages = [m.model_dump(exclude_none=True) for m in chat_req.messages]
@@ -345,18 +346,26 @@ class Gateway:
         if prompts > limit:
             raise invalid("prompt", f"A batch may hold at most {limit} prompts, got {prompts}.")
 
-    async def prepare(self, fn, req):
+    async def prepare(self, fn, req, principal: Principal):
         """`fn(req)`: the request's sampling parameters. With a grammar (a schema, regex, EBNF, tool
         definitions) the checks and builds that can take exponential time run in a bounded worker
         process: past `GRAMMAR_TIMEOUT_S` the request gets a 400 naming the field and this event
-        loop never waited on it. Without one, here (microseconds)."""
+        loop never waited on it; when the worker's queue, or the key's share of it, is full, a 429
+        with Retry-After at once. Without one, here (microseconds)."""
         param = grammar_param(req)
         if param is None:
             return fn(req)
         if self.grammar_worker is None:
             self.grammar_worker = BoundedWorker(preload=GRAMMAR_PRELOAD)
         try:
-            return await self.grammar_worker.run(fn, req)
+            return await self.grammar_worker.run(fn, req, key=principal.key_id)
+        except GrammarBusy as e:
+            raise OverloadedError(
+                f"Too many requests with a grammar ('{param}') are waiting to be checked: {e}. "
+                "Retry later, or send fewer at once.",
+                retry_after=e.retry_after,
+                reason="grammar_queue",
+            ) from None
         except GrammarTimeout as e:
             raise invalid(
                 param,
