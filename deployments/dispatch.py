@@ -26,7 +26,7 @@ from deployments.drain import DrainWatcher
 from deployments.errors import OpenAIError, client_error, internal_error, invalid, unavailable
 from deployments.pool_failures import PoolFailure, failure_signature, is_backpressure, poisoned, pool_failure
 from deployments.pool_health import PoolHealth, PoolOutage
-from deployments.relay import SSE_HEADERS, drain_later, relay
+from deployments.relay import SSE_HEADERS, BoundedStreamingResponse, drain_later, relay
 from deployments.request_log import note_summary
 from deployments.resumption import Resumer, StartCall
 from deployments.wire import FinalItem, PoolItem
@@ -177,8 +177,9 @@ class Dispatcher:
                 self.drain.in_flight -= 1
                 plan.charge.settle(tokens)
 
-            return StreamingResponse(
+            return BoundedStreamingResponse(
                 relay(first, call, slot, on_done, resumer),
+                write_timeout_s=self.config.gateway.stream_write_timeout_s,
                 media_type="text/event-stream",
                 headers=headers | SSE_HEADERS,
             )

@@ -71,6 +71,13 @@ class GatewayConfig(StrictModel):
         description="On shutdown (`raylane serve` stopped), how long requests in flight may finish while "
         "new ones get 503 with Retry-After.",
     )
+    stream_write_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Longest one write of a stream to the client may wait for the client to read; past "
+        "it the request is aborted and its pool slot released (where the server applies backpressure; "
+        "see deployments/relay.py).",
+    )
     responses_max_stored: int = Field(
         10_000,
         ge=1,
