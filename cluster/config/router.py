@@ -185,9 +185,18 @@ class TierConfig(StrictModel):
 
     name: str = Field(min_length=1)
     priority: int = Field(ge=0, description="lower is served first, as in vLLM; passed to the engine")
-    requests_per_minute: int | None = Field(None, ge=1, description="per API key; null = unlimited")
+    requests_per_minute: int | None = Field(
+        None,
+        ge=1,
+        description="per API key, for the cluster (each gateway replica enforces its 1/num_replicas); "
+        "null = unlimited",
+    )
     tokens_per_minute: int | None = Field(
-        None, ge=1, description="prompt + generated tokens per API key; null = unlimited"
+        None,
+        ge=1,
+        description="prompt + generated tokens per API key, for the cluster (as requests_per_minute), "
+        "charged up front (prompt estimate + max_tokens x n) and settled with the real usage; "
+        "null = unlimited",
     )
     max_queue_depth: int = Field(64, ge=0, description="requests of this tier that may wait for one pool")
     max_queue_wait_s: float = Field(10.0, ge=0, description="longest a request may wait for a pool slot")
@@ -206,9 +215,10 @@ class TierConfig(StrictModel):
     max_concurrent_per_key: int | None = Field(
         None,
         ge=1,
-        description="requests one API key may have held or waiting in all pools at once, per gateway "
-        "replica (429 past it, even with slots free); null = no cap: a key alone may use all its tier "
-        "may, and keys of a tier share a busy pool's slots by taking turns",
+        description="requests one API key may have held or waiting in all pools at once, for the "
+        "cluster (each gateway replica enforces its 1/num_replicas, rounded up); 429 past it, even "
+        "with slots free; null = no cap: a key alone may use all its tier may, and keys of a tier "
+        "share a busy pool's slots by taking turns",
     )
 
 
