@@ -165,7 +165,7 @@ class AdmissionController:
             self._leave_queue(p, waiter)
             raise OverloadedError(
                 f"pool {pool!r} had no free slot within {budget:g}s (tier {tier.name!r})",
-                retry_after=self.retry_after(pool, tier),
+                retry_after=self.retry_after(pool, tier, key),
                 reason="wait_budget",
             ) from None
         except asyncio.CancelledError:
@@ -198,17 +198,17 @@ class AdmissionController:
         rounds = ahead // max(slots, 1) + 1  # slots free up `slots` at a time
         return rounds * (service or p.service_s or 1.0)
 
-    def retry_after(self, pool: str, tier: TierConfig) -> float:
-        """When a request of `tier` turned away from `pool` should come back: the wait with the
-        clients already told to come back (of this tier or one served before it) ahead of it. The
-        answer is remembered as one more client coming back."""
+    def retry_after(self, pool: str, tier: TierConfig, key: str = "") -> float:
+        """When a request of `tier` (and key `key`) turned away from `pool` should come back: the wait
+        with the clients already told to come back (of this tier or one served before it) ahead of
+        it. The answer is remembered as one more client coming back."""
         p, now = self._pools[pool], self.clock()
         returning = 0
         for priority, due in p.returning.values():
             while due and due[0] <= now:
                 heapq.heappop(due)
             returning += len(due) if priority <= tier.priority else 0
-        wait = min(self.estimated_wait(pool, tier, returning), MAX_RETRY_AFTER_S)
+        wait = min(self.estimated_wait(pool, tier, returning, key), MAX_RETRY_AFTER_S)
         due = p.returning.setdefault(tier.name, (tier.priority, []))[1]
         if len(due) < MAX_RETURNING:
             heapq.heappush(due, now + wait)
@@ -236,13 +236,13 @@ class AdmissionController:
         if same_tier >= tier.max_queue_depth and not self._shed_hog(pool, p, tier, key):
             raise OverloadedError(
                 f"pool {pool!r} is busy and tier {tier.name!r} already has {same_tier} requests waiting",
-                retry_after=self.retry_after(pool, tier),
+                retry_after=self.retry_after(pool, tier, key),
                 reason="queue_depth",
             )
         if p.service_s is not None and self.estimated_wait(pool, tier, key=key) > budget:
             raise OverloadedError(
                 f"pool {pool!r} is busy: the wait would exceed tier {tier.name!r}'s {budget:g}s",
-                retry_after=self.retry_after(pool, tier),
+                retry_after=self.retry_after(pool, tier, key),
                 reason="wait_budget",
             )
         if len(p.waiters) >= p.max_waiting and not (
@@ -250,7 +250,7 @@ class AdmissionController:
         ):
             raise OverloadedError(
                 f"pool {pool!r} is busy and its queue is full",
-                retry_after=self.retry_after(pool, tier),
+                retry_after=self.retry_after(pool, tier, key),
                 reason="queue_full",
             )
 
@@ -284,7 +284,7 @@ class AdmissionController:
         victim.future.set_exception(
             OverloadedError(
                 f"pool {pool!r} is busy: {why}",
-                retry_after=self.retry_after(pool, victim.tier),
+                retry_after=self.retry_after(pool, victim.tier, victim.key),
                 reason="shed",
             )
         )

@@ -316,3 +316,29 @@ async def test_max_concurrent_per_key_is_a_hard_cap_with_429():
     for ticket in tickets[1:] + [other]:
         ticket.release()
     assert admission.key_requests("A") == 0 and admission.load("coding").in_flight == 0
+
+
+async def test_another_keys_flood_does_not_make_a_key_look_too_late_to_wait():
+    """Requests hold the slot 2 s and the tier may wait 5 s. Key A has two waiting: a third of A's
+    would wait three rounds (6 s) and is turned away at once. Key B's first request waits only for
+    A's next turn (two rounds): it queues rather than being refused."""
+    now = [0.0]
+    admission = AdmissionController(clock=lambda: now[0])
+    admission.add_pool("coding", capacity=1, max_waiting=16)
+    learn = await admission.acquire("coding", STANDARD, key="A")
+    now[0] += 2.0
+    learn.release()
+    holder = await admission.acquire("coding", STANDARD, key="A")
+    flood = [asyncio.create_task(admission.acquire("coding", STANDARD, key="A")) for _ in range(2)]
+    await settle()
+    with pytest.raises(OverloadedError) as excinfo:
+        await admission.acquire("coding", STANDARD, key="A")
+    assert excinfo.value.reason == "wait_budget"
+    victim = asyncio.create_task(admission.acquire("coding", STANDARD, key="B"))
+    await settle()
+    assert not victim.done() and admission.load("coding").waiting == 3
+    holder.release()
+    (await flood[0]).release()  # A was served last: B's turn
+    (await asyncio.wait_for(victim, 1)).release()
+    (await flood[1]).release()
+    assert admission.load("coding") == PoolLoad(in_flight=0, waiting=0, capacity=1)
