@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 
 def error_response(error: OpenAIError, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error.to_dict(), status_code=error.status, headers=headers)
+    return JSONResponse(error.to_dict(), status_code=error.status, headers=(headers or {}) | error.headers())
 
 
 class Dispatcher:

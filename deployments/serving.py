@@ -70,6 +70,7 @@ class OpenAIServing:
                 status=429,
                 param=param,
                 code="grammar_queue_full",
+                retry_after=e.retry_after,
             ) from None
         except ValueError as e:
             code = "grammar_too_complex" if isinstance(e, GrammarTooComplex) else "invalid_value"

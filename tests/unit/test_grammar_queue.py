@@ -60,3 +60,32 @@ def test_a_caller_that_went_away_holds_its_place_until_the_worker_is_done_with_i
             worker.close()
 
     asyncio.run(main())
+
+
+def test_a_pools_full_compile_queue_is_the_clients_429_with_retry_after():
+    """A pool whose compile queue is full answers a 429 (a client-side error: no fallback, no breaker
+    count) that keeps its Retry-After across the Serve handle (pickled) into the gateway's response."""
+    import pickle
+    from types import SimpleNamespace
+
+    from deployments.dispatch import error_response
+    from deployments.errors import OpenAIError
+    from deployments.serving import OpenAIServing
+
+    class FullQueue:
+        async def prepare(self, structured) -> None:
+            raise GrammarBusy(
+                "64 grammar checks are already queued in all, the most allowed", retry_after=7.5
+            )
+
+    serving = OpenAIServing(SimpleNamespace(tokenizer=None), "m", 128, grammar=FullQueue())
+    params = SimpleNamespace(structured=object())
+    with pytest.raises(OpenAIError) as excinfo:
+        asyncio.run(serving._compile(params, "response_format"))
+    error = pickle.loads(pickle.dumps(excinfo.value))
+    assert error.status == 429 and error.is_client_error
+    assert error.to_dict()["error"]["code"] == "grammar_queue_full"
+    assert error.to_dict()["error"]["param"] == "response_format"
+    response = error_response(error, {"x-raylane-pool": "chat"})
+    assert response.status_code == 429 and response.headers["retry-after"] == "8"
+    assert response.headers["x-raylane-pool"] == "chat"
