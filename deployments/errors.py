@@ -13,6 +13,7 @@ breaker or a pool's error metrics.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pydantic import ValidationError
@@ -29,6 +30,7 @@ class OpenAIError(Exception):
         type: str | None = None,
         param: str | None = None,
         code: str | None = None,
+        retry_after: float | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -36,6 +38,13 @@ class OpenAIError(Exception):
         self.type = type or _default_type(status)
         self.param = param
         self.code = code
+        self.retry_after = retry_after  # seconds, sent as Retry-After (a 429 from a pool's busy queue)
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        wait = max(1.0, self.retry_after)
+        return {"retry-after": str(math.ceil(wait)), "retry-after-ms": str(round(wait * 1000))}
 
     @property
     def is_client_error(self) -> bool:
@@ -45,11 +54,11 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def __reduce__(self):  # keyword-only arguments: the default Exception pickling would lose them
-        return (_restore, (self.message, self.status, self.type, self.param, self.code))
+        return (_restore, (self.message, self.status, self.type, self.param, self.code, self.retry_after))
 
 
-def _restore(message, status, type, param, code) -> OpenAIError:
-    return OpenAIError(message, status=status, type=type, param=param, code=code)
+def _restore(message, status, type, param, code, retry_after=None) -> OpenAIError:
+    return OpenAIError(message, status=status, type=type, param=param, code=code, retry_after=retry_after)
 
 
 def cause_of(error: BaseException) -> BaseException:

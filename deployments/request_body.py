@@ -48,7 +48,11 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 
 async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
-    body = await read_body(request, max_bytes)
+    return json_object(await read_body(request, max_bytes))
+
+
+def json_object(body: bytes) -> dict[str, Any]:
+    """A body already read (and bounded) as a JSON object, or a 400 naming what is wrong."""
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -76,6 +80,11 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
 async def parse_body(request: Request, model: type[BaseModel], max_bytes: int) -> Any:
     """The body as `model`, or a 4xx naming what is wrong (size and nesting first, then the JSON)."""
     return validate_body(await read_json_object(request, max_bytes), model)
+
+
+def parse_bytes(body: bytes, model: type[BaseModel]) -> Any:
+    """A body already read (and bounded: `read_body`) as `model`, or a 400 naming what is wrong."""
+    return validate_body(json_object(body), model)
 
 
 def validate_body(data: dict[str, Any], model: type[BaseModel]) -> Any:

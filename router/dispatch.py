@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from router.admission import AdmissionController, Ticket
 from router.errors import ContextLengthError, NoPoolAvailableError, OverloadedError
 from router.fallback import CircuitBreaker, FallbackChain, FallbackReason
+from router.rate_limit import RateCharge
 from router.resolve import Resolution
 from router.tiers import Principal
 
@@ -93,6 +94,7 @@ class DispatchPlan:
     admission: AdmissionController
     breakers: dict[str, CircuitBreaker]
     deadline: float  # admission clock time by which a slot must be held
+    charge: RateCharge  # the rate limit's up-front charge: settle it with the tokens used
     overflow: bool = False  # a saturated pool hands the request to the next one (else 429)
     pool: str | None = None  # the pool of the latest slot
     _overloads: list[OverloadedError] = field(default_factory=list)
@@ -108,7 +110,9 @@ class DispatchPlan:
         while (pool := self.chain.next_pool()) is not None:
             try:
                 remaining = max(0.0, self.deadline - self.admission.clock())
-                ticket = await self.admission.acquire(pool, tier, timeout=remaining)
+                ticket = await self.admission.acquire(
+                    pool, tier, timeout=remaining, key=self.principal.key_id
+                )
             except OverloadedError as e:
                 self.breakers[pool].release_probe()
                 if not self.overflow:

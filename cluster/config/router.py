@@ -149,6 +149,12 @@ class RouterConfig(StrictModel):
         "route's fallback chain; false: it gets 429 with Retry-After, and fallback is for outages only "
         "(a peak on one pool then never spreads into the others)",
     )
+    max_tokens_estimate: int = Field(
+        1024,
+        ge=1,
+        description="tokens a request that sets no max_tokens is charged up front per choice against "
+        "its key's tokens/min (settled with the real usage when it ends)",
+    )
     fallback_for_named_models: bool = Field(
         True, description="requests naming a pool or model also fall back along that pool's route"
     )
@@ -185,9 +191,18 @@ class TierConfig(StrictModel):
 
     name: str = Field(min_length=1)
     priority: int = Field(ge=0, description="lower is served first, as in vLLM; passed to the engine")
-    requests_per_minute: int | None = Field(None, ge=1, description="per API key; null = unlimited")
+    requests_per_minute: int | None = Field(
+        None,
+        ge=1,
+        description="per API key, for the cluster (each gateway replica enforces its 1/num_replicas); "
+        "null = unlimited",
+    )
     tokens_per_minute: int | None = Field(
-        None, ge=1, description="prompt + generated tokens per API key; null = unlimited"
+        None,
+        ge=1,
+        description="prompt + generated tokens per API key, for the cluster (as requests_per_minute), "
+        "charged up front (prompt estimate + max_tokens x n) and settled with the real usage; "
+        "null = unlimited",
     )
     max_queue_depth: int = Field(64, ge=0, description="requests of this tier that may wait for one pool")
     max_queue_wait_s: float = Field(10.0, ge=0, description="longest a request may wait for a pool slot")
@@ -202,6 +217,14 @@ class TierConfig(StrictModel):
         le=1,
         description="share of each pool's slots this tier's requests may hold at once (at least one); "
         "below 1 keeps the rest free for other tiers, so a flood of this tier never makes them wait",
+    )
+    max_concurrent_per_key: int | None = Field(
+        None,
+        ge=1,
+        description="requests one API key may have held or waiting in all pools at once, for the "
+        "cluster (each gateway replica enforces its 1/num_replicas, rounded up); 429 past it, even "
+        "with slots free; null = no cap: a key alone may use all its tier may, and keys of a tier "
+        "share a busy pool's slots by taking turns",
     )
 
 

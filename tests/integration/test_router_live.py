@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx2
 import pytest
 
-from tests.live_servers import ROUTER_KEYS, router_server_without_faults  # noqa: F401 (`server`)
+from tests.live_servers import LIMITED_KEY, ROUTER_KEYS, router_server_without_faults  # noqa: F401 (`server`)
 
 HI = [{"role": "user", "content": "hi"}]
 TIMEOUT_S = 180
@@ -211,3 +211,17 @@ def test_a_response_ends_with_the_pools_last_item(server):
     assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
     assert whole.json()["usage"]["completion_tokens"] == 6
     assert in_flight == 0  # the pool's slots came back with the responses
+
+
+def test_a_key_over_its_rate_limit_gets_429_before_its_body_is_parsed(server):
+    """The rate limit is charged right after the body's bytes are read, before anything parses them:
+    the key's one request a minute is spent on a body that is not JSON (400), and the same body again
+    is a 429, not a 400: a key over its limit costs the gateway a bounded read and a look-up."""
+    url, headers = f"{server.base_url}/chat/completions", {"Authorization": f"Bearer {LIMITED_KEY}"}
+    first = httpx2.post(url, content=b'{"model": "chat", "messages": [', headers=headers, timeout=TIMEOUT_S)
+    assert first.status_code == 400 and first.json()["error"]["code"] == "invalid_json", first.text
+    again = httpx2.post(url, content=b'{"model": "chat", "messages": [', headers=headers, timeout=TIMEOUT_S)
+    assert again.status_code == 429, again.text
+    assert again.json()["error"]["code"] == "rate_limit_exceeded"
+    assert "requests/min" in again.json()["error"]["message"]
+    assert int(again.headers["retry-after"]) >= 1
