@@ -161,7 +161,7 @@ class Gateway:
         params, tools = await self.prepare(chat_params, req)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         resolution, conversation = await router_timed(
-            self.affinity.resolve(self.router, req.model, messages, req.prompt_cache_key)
+            self.affinity.resolve(self.router, principal, req.model, messages, req.prompt_cache_key)
         )
         request_id = uuid.uuid4().hex
         response = await self.dispatcher.dispatch(
