@@ -111,6 +111,7 @@ def request_router_config(pool: PoolConfig) -> RequestRouterConfig:
             "max_imbalance": routing.max_imbalance,
             "block_chars": pool.block_chars,
             "max_indexed_blocks": routing.max_indexed_blocks,
+            "max_blocks_per_request": routing.max_blocks_per_request,
         },
         request_routing_stats_period_s=routing.stats_period_s,
     )

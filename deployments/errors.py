@@ -138,7 +138,8 @@ def param_path(loc: tuple) -> str | None:
         elif _is_union_member(part):
             continue
         else:
-            out += f".{part}" if out else str(part)
+            part = str(part) if len(str(part)) <= SHOWN_INPUT_CHARS else f"{str(part)[:SHOWN_INPUT_CHARS]}..."
+            out += f".{part}" if out else part  # a client's key, cut: an unknown 1 MB field name
     return out or None
 
 
@@ -159,9 +160,21 @@ def from_validation_error(error: ValidationError) -> OpenAIError:
         return invalid(param, f"Missing required parameter: '{param}'.", _CODES[kind])
     message = err["msg"].removeprefix("Value error, ")
     got = err.get("input")
-    shown = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
+    shown = "" if isinstance(got, dict | list) or got is None else f" (got {_shown(got)})"
     code = "invalid_type" if kind.endswith("_type") or kind.endswith("_parsing") else "invalid_value"
     return invalid(param, f"Invalid '{param}': {message}{shown}.", code)
+
+
+SHOWN_INPUT_CHARS = 80  # of a wrong value quoted back: the client knows the rest, the logs need none of it
+
+
+def _shown(value: Any) -> str:
+    """A wrong value as the error quotes it: its repr, cut short when the client sent a long one."""
+    text = repr(value)
+    if len(text) <= SHOWN_INPUT_CHARS:
+        return text
+    size = f", {len(value)} characters" if isinstance(value, str) else ""
+    return f"{text[:SHOWN_INPUT_CHARS]}...{size}"
 
 
 def from_engine_value_error(error: ValueError, rename: dict[str, str] | None = None) -> OpenAIError:

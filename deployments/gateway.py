@@ -176,12 +176,12 @@ class Gateway:
     async def chat_completions(self, request: Request) -> Response:
         principal = self.authenticate(request)
         body = await self.read_charged(request, principal)  # the rate limit, before any parsing
-        req = parse_bytes(body, ChatCompletionRequest)
+        req = await parse_bytes(body, ChatCompletionRequest)
         self.charge_output(request, principal, req.max_output_tokens, req.n)
         params, tools = await self.prepare(chat_params, req, principal)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         resolution, conversation = await router_timed(
-            self.affinity.resolve(self.router, req.model, messages, req.prompt_cache_key)
+            self.affinity.resolve(self.router, principal, req.model, messages, req.prompt_cache_key)
         )
         request_id = uuid.uuid4().hex
         response = await self.dispatcher.dispatch(
@@ -200,7 +200,7 @@ class Gateway:
     async def completions(self, request: Request) -> Response:
         principal = self.authenticate(request)
         body = await self.read_charged(request, principal)  # the rate limit, before any parsing
-        req = parse_bytes(body, CompletionRequest)
+        req = await parse_bytes(body, CompletionRequest)
         self.check_batch(len(req.prompts()))
         self.charge_output(request, principal, req.max_output_tokens, req.n * len(req.prompts()))
         params = await self.prepare(completion_params, req, principal)
@@ -250,7 +250,7 @@ class Gateway:
         by the same router, tiers, admission and fallback; stored for `previous_response_id`."""
         principal = self.authenticate(request)
         body = await self.read_charged(request, principal)  # the rate limit, before any parsing
-        req = parse_bytes(body, ResponsesRequest)
+        req = await parse_bytes(body, ResponsesRequest)
         self.charge_output(request, principal, req.max_output_tokens, 1)
         check_supported(req)
         previous = req.previous_response_id

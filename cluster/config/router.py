@@ -6,11 +6,11 @@ working development setup: three routes (coding, reasoning, chat) to pools of th
 three tiers (premium, standard, free) and no API keys (open mode).
 """
 
-import re
 from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated
 
+import re2
 from pydantic import AfterValidator, Field, SecretStr, field_validator, model_validator
 
 from cluster.config.base import StrictModel
@@ -18,6 +18,15 @@ from cluster.config.base import StrictModel
 AUTO_MODELS = ("auto", "raylane-auto")  # model names that ask the semantic classifier to choose
 BUILTIN_DATASET = "builtin"  # RouterConfig.dataset value naming router/dataset/train.tsv
 FOLLOWUP_LABEL = "followup"  # the classifier's internal class of context-dependent turns; not a route name
+
+
+def compile_route_regex(pattern: str) -> re2._Regexp:
+    """A `routes[].regex` pattern as the router runs it: RE2 (linear time in the text, whatever the
+    pattern), multiline. Raises `re2.error` for what RE2 cannot run: backreferences, lookarounds,
+    possessive or atomic groups, repetitions past 1000, programs too large."""
+    options = re2.Options()
+    options.log_errors = False  # the error is raised, and named in the config error
+    return re2.compile(f"(?m){pattern}", options)
 
 
 class RouteConfig(StrictModel):
@@ -37,7 +46,10 @@ class RouteConfig(StrictModel):
         description="words or phrases (case-insensitive, whole words) that send the latest user turn here",
     )
     regex: list[str] = Field(
-        default_factory=list, description="regular expressions (multiline) sending the latest user turn here"
+        default_factory=list,
+        description="regular expressions (multiline) sending the latest user turn here, in RE2 syntax "
+        "(linear time: no backreferences or lookarounds; `\\w`, `\\d`, `\\b` are ASCII, `\\p{L}` is any "
+        "letter); read on the first and last 4096 characters of the turn",
     )
 
     @field_validator("regex")
@@ -45,9 +57,13 @@ class RouteConfig(StrictModel):
     def _compiles(cls, patterns: list[str]) -> list[str]:
         for pattern in patterns:
             try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError(f"{pattern!r} is not a valid regular expression: {e}") from None
+                compile_route_regex(pattern)
+            except re2.error as e:
+                reason = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else e
+                raise ValueError(
+                    f"{pattern!r} is not a regular expression the router can run (RE2 syntax, linear "
+                    f"time: no backreferences or lookarounds): {reason}"
+                ) from None
         return patterns
 
     @model_validator(mode="after")
