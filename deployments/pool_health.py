@@ -26,6 +26,9 @@ from router import Router
 
 logger = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 5.0
+# How often a pool found down is checked again: its replacement replica should take traffic as soon
+# as Serve has it running, not one whole health period later.
+DOWN_RECHECK_S = 0.5
 POOL_DEPLOYMENT_PREFIX = "ModelPool:"
 
 # pool name -> whether any of its replicas is alive (asked of Ray and Serve, not of the pool)
@@ -89,7 +92,8 @@ class PoolHealth:
                 await self.check()
             except Exception:
                 logger.exception("pool health check failed")
-            await asyncio.sleep(self.period_s)
+            down = any(outage.is_set() for outage in self.outages.values())
+            await asyncio.sleep(min(self.period_s, DOWN_RECHECK_S) if down else self.period_s)
 
     async def current(self) -> dict[str, dict]:
         """The last check's view (a fresh check only before the first one has finished)."""

@@ -154,7 +154,13 @@ class PoolConfig(StrictModel):
         description="Requests (all tiers) that may wait for this pool in each gateway replica; "
         "default: router.default_max_waiting.",
     )
-    health_check_period_s: float = Field(10.0, gt=0, description="Seconds between replica health checks.")
+    health_check_period_s: float = Field(
+        2.0,
+        gt=0,
+        description="Seconds between Serve's health checks of each replica. Serve learns that a replica "
+        "died only at its next check, so this bounds how long a dead replica goes unreplaced (Serve's "
+        "default, 10 s, was most of a replica's recovery); the check reads the engine's state, no step.",
+    )
     health_check_timeout_s: float = Field(30.0, gt=0, description="A health check slower than this fails.")
 
     @model_validator(mode="before")

@@ -59,3 +59,38 @@ async def test_without_a_way_to_ask_serve_silence_means_down():
     pool = Pool()
     pool.silent = True
     assert (await PoolHealth({"chat": pool}, None, 1.0).check())["chat"]["status"] == "unavailable"
+
+
+class FailingPool(Pool):
+    """A stand-in whose `stats` fails (a pool with no live replica) until `failing` is cleared."""
+
+    def __init__(self):
+        super().__init__()
+        self.failing = True
+
+    def remote(self):
+        if self.failing:
+            raise RuntimeError("no replica")
+        return super().remote()
+
+
+async def test_a_pool_found_down_is_checked_again_soon_not_a_whole_period_later():
+    """Its replacement replica takes traffic as soon as it runs: the health loop re-checks a pool that
+    is down every DOWN_RECHECK_S, though its period here is a minute."""
+    pool = FailingPool()
+    health = PoolHealth({"chat": pool}, None, 60.0, liveness(False))
+    health.watch()
+    try:
+        for _ in range(100):
+            if "chat" in health.outages and health.outages["chat"].is_set():
+                break
+            await asyncio.sleep(0.05)
+        assert health.view["chat"]["status"] == "unavailable"
+        pool.failing = False
+        for _ in range(100):
+            if health.view["chat"]["status"] == "ok":
+                break
+            await asyncio.sleep(0.05)
+        assert health.view["chat"]["status"] == "ok" and not health.outages["chat"].is_set()
+    finally:
+        health._watcher.cancel()
