@@ -98,6 +98,9 @@ def paged_varlen_attention(
 ) -> torch.Tensor:
     """q: [N, H, D]; caches: [num_blocks, block_size, KVH, D] (already holding this step's keys and
     values). Returns [N, H, D]."""
+    global _KERNEL
+    if _KERNEL is None:
+        _KERNEL = varlen_kernel() or _missing_kernel
     return _KERNEL(
         q,
         k_cache,
@@ -120,8 +123,10 @@ def _missing_kernel(*args, **kwargs):
     )
 
 
-# Module-level so the CPU tests can put the contract's reference in the CUDA kernel's place.
-_KERNEL: Callable = varlen_kernel() or _missing_kernel
+# Module-level so the CPU tests can put the contract's reference in the CUDA kernel's place. Found on
+# first use: importing torch.nn.attention.varlen pulls in torch._dynamo, 1.7 s of every CPU process's
+# start that imports the models (a replica and its engine core alike).
+_KERNEL: Callable | None = None
 
 
 def select_attention_backend(
