@@ -52,7 +52,7 @@ from deployments.openai_schemas import (
 )
 from deployments.openapi import publish, route_docs
 from deployments.pool_health import PoolHealth
-from deployments.request_body import parse_body, read_json_object, validate_body
+from deployments.request_body import estimate_tokens, json_object, parse_body, read_body, validate_body
 from deployments.request_log import RequestLogMiddleware, router_timed
 from deployments.response_store import response_store
 from deployments.responses_api import StoredResponses
@@ -198,17 +198,24 @@ class Gateway:
     @app.post("/v1/embeddings", **route_docs(EmbeddingResponse, EmbeddingRequest))
     async def embeddings(self, request: Request) -> Response:
         principal = self.authenticate(request)  # MiniLM runs here: keyed like every other endpoint
-        self.router.check_rate(principal)
-        req = await parse_body(request, EmbeddingRequest, self.config.gateway.max_request_body_bytes)
-        return await create_embeddings(self.config.embeddings, req)
+        body = await read_body(request, self.config.gateway.max_request_body_bytes)
+        estimate = estimate_tokens(body)
+        self.router.check_rate(principal, estimate)  # charged before the body is parsed
+        req = validate_body(json_object(body), EmbeddingRequest)
+        response = await create_embeddings(self.config.embeddings, req)
+        if (more := response.usage.prompt_tokens - estimate) > 0:  # settled: MiniLM's own count
+            self.router.record_usage(principal, more)
+        return Response(response.to_json(), media_type="application/json")
 
     @app.post("/tokenize", **route_docs(TokenizeResponse, (TokenizeChatRequest, TokenizeCompletionRequest)))
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: `prompt`, or `messages` through the chat template, counted by the pool
         that `model` names (its tokenizer, its `max_model_len`)."""
         principal = self.authenticate(request)
-        self.router.check_rate(principal)
-        data = await read_json_object(request, self.config.gateway.max_request_body_bytes)
+        body = await read_body(request, self.config.gateway.max_request_body_bytes)
+        # The pool's template and tokenizer work grows with the text: charged as its tokens, first.
+        self.router.check_rate(principal, estimate_tokens(body))
+        data = json_object(body)
         req = validate_body(data, tokenize_request_model(data))
         messages = [m.model_dump(exclude_none=True) for m in getattr(req, "messages", [])]
         return await self.call_pool(req.model, messages, lambda pool: pool.tokenize.remote(req))

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from deployments.errors import OpenAIError, from_validation_error, invalid
 
 MAX_JSON_DEPTH = 64  # real tool schemas nest a dozen levels; json.loads itself gives up near 1000
+BYTES_PER_TOKEN = 4  # English text in BPE vocabularies: about 4 bytes a token
 
 
 def body_too_large(max_bytes: int, got: int | None = None) -> OpenAIError:
@@ -48,7 +49,17 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 
 async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
-    body = await read_body(request, max_bytes)
+    return json_object(await read_body(request, max_bytes))
+
+
+def estimate_tokens(body: bytes) -> int:
+    """The tokens a body's text is charged up front, before it is parsed: its length in bytes over
+    `BYTES_PER_TOKEN` (its JSON punctuation counts too: linear in the bytes, and never free)."""
+    return -(-len(body) // BYTES_PER_TOKEN)
+
+
+def json_object(body: bytes) -> dict[str, Any]:
+    """A body read within its limit, parsed: a JSON object, not nested too deep, valid Unicode."""
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
