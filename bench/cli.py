@@ -17,6 +17,7 @@ BENCHMARKS = {
     "overhead": "bench.overhead",
     "affinity": "bench.affinity",
     "gpu-check": "bench.gpu_check",
+    "recovery": "bench.recovery",
     "report": "bench.report",
 }
 

@@ -13,6 +13,11 @@ subjects. A request with no earlier turn (no assistant or tool message, one user
 `prompt_cache_key` is a first turn: it is always classified, and its answer names the pool for the
 turns that follow.
 
+**Whose it is.** A conversation belongs to the API key that sent it (`Principal.key_id`): the key of
+the map is a 16-byte BLAKE2b digest of that key id and the conversation's identity, so another
+tenant sending the same `prompt_cache_key` or the same opening messages gets a conversation of its
+own and cannot steer this one's pool; and the map keeps no client text, whatever its length.
+
 **Where it holds.** A later turn's candidates are the remembered pool first, then the rest of its
 route's chain (the route's pool and fallbacks), so a pool that cannot serve it now (down, open
 circuit, busy past the tier's budget, context too short) hands it on as any fallback does, and the
@@ -34,21 +39,24 @@ from collections.abc import Callable
 from fastapi.responses import Response
 
 from cluster.config import AUTO_MODELS, AffinityConfig
-from router import Resolution, RouteDecision, Router
+from router import Principal, Resolution, RouteDecision, Router
 
 STICKY = "sticky"
 
 
-def conversation_key(messages: list[dict], prompt_cache_key: str | None = None) -> str | None:
-    """The conversation's identity (see the module docstring); None when there is no user turn."""
+def conversation_key(owner: str, messages: list[dict], prompt_cache_key: str | None = None) -> str | None:
+    """The conversation's identity within `owner` (the API key's id; see the module docstring), as a
+    32-character hex digest; None when there is no user turn."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(json.dumps(owner).encode())  # quoted: no owner's id is a prefix of another's
     if prompt_cache_key:
-        return "key:" + prompt_cache_key
-    leading = []
+        digest.update(b"key\0" + prompt_cache_key.encode("utf-8", "surrogatepass"))
+        return digest.hexdigest()
+    digest.update(b"messages\0")
     for message in messages:
-        leading.append([message.get("role"), message.get("content")])
+        digest.update(json.dumps([message.get("role"), message.get("content")], sort_keys=True).encode())
         if message.get("role") == "user":
-            digest = hashlib.blake2b(json.dumps(leading, sort_keys=True).encode(), digest_size=16)
-            return "messages:" + digest.hexdigest()
+            return digest.hexdigest()
     return None
 
 
@@ -63,12 +71,17 @@ class ConversationAffinity:
         self._pools: OrderedDict[str, tuple[str, str, float]] = OrderedDict()  # key -> (route, pool, seen)
 
     async def resolve(
-        self, router: Router, model: str, messages: list[dict], prompt_cache_key: str | None = None
+        self,
+        router: Router,
+        principal: Principal,
+        model: str,
+        messages: list[dict],
+        prompt_cache_key: str | None = None,
     ) -> tuple[Resolution, str | None]:
         """The request's resolution and its conversation key (None when affinity does not apply)."""
         if model not in AUTO_MODELS or not self.config.enabled:
             return await router.resolve_async(model, messages), None
-        key = conversation_key(messages, prompt_cache_key)
+        key = conversation_key(principal.key_id, messages, prompt_cache_key)
         if key is not None and (prompt_cache_key or is_later_turn(messages)):
             held = self.lookup(key)
             if held is not None and (sticky := _sticky(router, model, *held)) is not None:

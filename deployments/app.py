@@ -22,6 +22,7 @@ from cluster.model_sources import prepare_engine_config
 from deployments.autoscaling import LLMAutoscalingPolicy
 from deployments.gateway import Gateway
 from deployments.model_pool import ModelPool
+from deployments.pool_health import pool_deployment_name
 from deployments.request_router import PrefixAwareRouter
 from engine.executor.placement import DRIVER_GPU_SHARE
 
@@ -41,10 +42,6 @@ def serve_logging(access_log: bool) -> dict[str, Any]:
     per internal health poll, and under a flood of 429s takes CPU from the requests being served: off
     unless `logs.serve_access_log`."""
     return {"enable_access_log": access_log}
-
-
-def pool_deployment_name(pool_name: str) -> str:
-    return f"ModelPool:{pool_name}"
 
 
 def pool_deployment_options(
@@ -114,6 +111,7 @@ def request_router_config(pool: PoolConfig) -> RequestRouterConfig:
             "max_imbalance": routing.max_imbalance,
             "block_chars": pool.block_chars,
             "max_indexed_blocks": routing.max_indexed_blocks,
+            "max_blocks_per_request": routing.max_blocks_per_request,
         },
         request_routing_stats_period_s=routing.stats_period_s,
     )

@@ -26,18 +26,27 @@ from deployments.drain import DrainWatcher
 from deployments.errors import OpenAIError, client_error, internal_error, invalid, unavailable
 from deployments.pool_failures import PoolFailure, failure_signature, is_backpressure, poisoned, pool_failure
 from deployments.pool_health import PoolHealth, PoolOutage
-from deployments.relay import SSE_HEADERS, drain_later, relay
+from deployments.relay import SSE_HEADERS, BoundedStreamingResponse, drain_later, relay
 from deployments.request_log import note_summary
 from deployments.resumption import Resumer, StartCall
 from deployments.wire import FinalItem, PoolItem
-from router import DispatchPlan, FallbackReason, Principal, Resolution, Router, RouterError, Slot
+from router import (
+    DispatchPlan,
+    FallbackReason,
+    Principal,
+    RateCharge,
+    Resolution,
+    Router,
+    RouterError,
+    Slot,
+)
 from router.errors import ContextLengthError
 
 logger = logging.getLogger(__name__)
 
 
 def error_response(error: OpenAIError, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error.to_dict(), status_code=error.status, headers=headers)
+    return JSONResponse(error.to_dict(), status_code=error.status, headers=(headers or {}) | error.headers())
 
 
 class Dispatcher:
@@ -59,18 +68,24 @@ class Dispatcher:
         streaming: bool,
         request_id: str,
         start: StartCall,
+        charge: RateCharge | None = None,
     ) -> Response:
         """Walk the fallback chain: the first pool whose first item is not a failure answers. A
-        request counts as in flight (for the drain) until its response, or its stream, ends."""
+        request counts as in flight (for the drain) until its response, or its stream, ends.
+        `charge`: the rate limit charged up front (`Router.check_rate`); none: charged here. It is
+        settled with the tokens the response used (none if it was not served)."""
+        if charge is None:
+            charge = self.router.check_rate(principal)
         self.drain.in_flight += 1
         streaming_response = False
         try:
-            response = await self._dispatch(principal, resolution, n, streaming, request_id, start)
+            response = await self._dispatch(principal, resolution, n, streaming, request_id, start, charge)
             streaming_response = isinstance(response, StreamingResponse)
             return response
         finally:
             if not streaming_response:  # a stream counts until its relay ends
                 self.drain.in_flight -= 1
+                charge.settle(0)  # not served (a served one has settled already)
 
     async def _dispatch(
         self,
@@ -80,13 +95,14 @@ class Dispatcher:
         streaming: bool,
         request_id: str,
         start: StartCall,
+        charge: RateCharge,
     ) -> Response:
         first_pool = self.config.pool(resolution.pools[0])
         if n > first_pool.max_n:
             raise invalid(
                 "n", f"n must be at most {first_pool.max_n} for model {resolution.model!r}, got {n}."
             )
-        plan = self.router.plan(principal, resolution)
+        plan = self.router.plan(principal, resolution, charge=charge)
         suspects: list[tuple[Slot, PoolFailure]] = []  # failures not yet counted against their pool
         resumer = Resumer(
             self.config, self.pools, self.health, start, plan.priority, request_id, list(resolution.pools)
@@ -122,8 +138,11 @@ class Dispatcher:
             if isinstance(first, PoolFailure) and (again := await resumer.retry(slot.pool, first)):
                 first, call = again  # its replica died before it answered: a live one did
             if isinstance(first, PoolFailure):
-                if first.reason is FallbackReason.SATURATED:
-                    continue  # reported already: busy, not broken
+                if first.reason is FallbackReason.SATURATED:  # busy, not broken: reported already
+                    if self.config.router.overflow:
+                        continue
+                    headers = plan.headers() | {"x-request-id": request_id, "retry-after": "1"}
+                    return error_response(first.error, headers)
                 twin = next((f for _, f in suspects if f.signature == first.signature), None)
                 if first.signature is None:
                     slot.failed(first.reason)  # the pool's health: counted now
@@ -154,15 +173,16 @@ class Dispatcher:
                     note_summary(final.summary)
                 drain_later(call)
                 slot.succeeded()
-                self.router.record_usage(principal, _total_tokens(final.item))
+                plan.charge.settle(_total_tokens(final.item))
                 return Response(final.item, media_type="application/json", headers=headers)
 
             def on_done(tokens: int) -> None:
                 self.drain.in_flight -= 1
-                self.router.record_usage(principal, tokens)
+                plan.charge.settle(tokens)
 
-            return StreamingResponse(
+            return BoundedStreamingResponse(
                 relay(first, call, slot, on_done, resumer),
+                write_timeout_s=self.config.gateway.stream_write_timeout_s,
                 media_type="text/event-stream",
                 headers=headers | SSE_HEADERS,
             )
@@ -191,7 +211,8 @@ class Dispatcher:
                 return client
             if is_backpressure(e):  # Serve's queue for the pool is full: busy, not broken
                 slot.abandoned()
-                plan.chain.leave(FallbackReason.SATURATED)
+                if self.config.router.overflow:
+                    plan.chain.leave(FallbackReason.SATURATED)
                 return PoolFailure(pool, FallbackReason.SATURATED, pool_failure(e))
             error = pool_failure(e)
             logger.warning("pool %s failed before answering: %s", pool, error.message)

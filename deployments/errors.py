@@ -13,6 +13,7 @@ breaker or a pool's error metrics.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pydantic import ValidationError
@@ -29,6 +30,7 @@ class OpenAIError(Exception):
         type: str | None = None,
         param: str | None = None,
         code: str | None = None,
+        retry_after: float | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -36,6 +38,13 @@ class OpenAIError(Exception):
         self.type = type or _default_type(status)
         self.param = param
         self.code = code
+        self.retry_after = retry_after  # seconds, sent as Retry-After (a 429 from a pool's busy queue)
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        wait = max(1.0, self.retry_after)
+        return {"retry-after": str(math.ceil(wait)), "retry-after-ms": str(round(wait * 1000))}
 
     @property
     def is_client_error(self) -> bool:
@@ -45,11 +54,11 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def __reduce__(self):  # keyword-only arguments: the default Exception pickling would lose them
-        return (_restore, (self.message, self.status, self.type, self.param, self.code))
+        return (_restore, (self.message, self.status, self.type, self.param, self.code, self.retry_after))
 
 
-def _restore(message, status, type, param, code) -> OpenAIError:
-    return OpenAIError(message, status=status, type=type, param=param, code=code)
+def _restore(message, status, type, param, code, retry_after=None) -> OpenAIError:
+    return OpenAIError(message, status=status, type=type, param=param, code=code, retry_after=retry_after)
 
 
 def cause_of(error: BaseException) -> BaseException:
@@ -129,7 +138,8 @@ def param_path(loc: tuple) -> str | None:
         elif _is_union_member(part):
             continue
         else:
-            out += f".{part}" if out else str(part)
+            part = str(part) if len(str(part)) <= SHOWN_INPUT_CHARS else f"{str(part)[:SHOWN_INPUT_CHARS]}..."
+            out += f".{part}" if out else part  # a client's key, cut: an unknown 1 MB field name
     return out or None
 
 
@@ -150,9 +160,21 @@ def from_validation_error(error: ValidationError) -> OpenAIError:
         return invalid(param, f"Missing required parameter: '{param}'.", _CODES[kind])
     message = err["msg"].removeprefix("Value error, ")
     got = err.get("input")
-    shown = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
+    shown = "" if isinstance(got, dict | list) or got is None else f" (got {_shown(got)})"
     code = "invalid_type" if kind.endswith("_type") or kind.endswith("_parsing") else "invalid_value"
     return invalid(param, f"Invalid '{param}': {message}{shown}.", code)
+
+
+SHOWN_INPUT_CHARS = 80  # of a wrong value quoted back: the client knows the rest, the logs need none of it
+
+
+def _shown(value: Any) -> str:
+    """A wrong value as the error quotes it: its repr, cut short when the client sent a long one."""
+    text = repr(value)
+    if len(text) <= SHOWN_INPUT_CHARS:
+        return text
+    size = f", {len(value)} characters" if isinstance(value, str) else ""
+    return f"{text[:SHOWN_INPUT_CHARS]}...{size}"
 
 
 def from_engine_value_error(error: ValueError, rename: dict[str, str] | None = None) -> OpenAIError:

@@ -1,10 +1,13 @@
 """The OpenAI-compatible ingress (FastAPI on Ray Serve): the endpoints.
 
-Per request: authenticate the API key (-> tier; 401), parse and validate the body (any mistake -> 400
-naming the parameter), resolve `model` with the router (a pool's name or served id, or `auto` /
-`raylane-auto` -> the semantic classifier's route; 404), then hand it to the `Dispatcher`
-(deployments/dispatch.py): the tier's rate limit (429), a slot in the first pool of the route's
-fallback chain that can serve, the pool's first item, fallback before it and relay after it.
+Per request: authenticate the API key (-> tier; 401), read the body's bytes (413 past the limit),
+charge the tier's rate limit (429) one request and the prompt's estimate from the byte count before
+any work whose cost the client controls, parse and validate the body (any mistake -> 400 naming the
+parameter), charge max_tokens x n (429), resolve `model` with the router (a pool's name or served
+id, or `auto` / `raylane-auto` -> the semantic classifier's route; 404), then hand it to the
+`Dispatcher` (deployments/dispatch.py): a slot in the first pool of the route's fallback chain that
+can serve, the pool's first item, fallback before it and relay after it. The charge is settled with
+the tokens used when the response ends; a request refused on the way is settled with none.
 Responses carry `x-raylane-route`, `-pool`, `-tier` and, where it happened, `x-raylane-fallback`.
 When the client goes away, the pool call is cancelled; the pool's generator aborts the engine
 request. `PoolHealth` (deployments/pool_health.py) checks each pool in the background; embeddings
@@ -51,8 +54,15 @@ from deployments.openai_schemas import (
     ModelList,
 )
 from deployments.openapi import publish, route_docs
-from deployments.pool_health import PoolHealth
-from deployments.request_body import estimate_tokens, json_object, parse_body, read_body, validate_body
+from deployments.pool_health import PoolHealth, serve_liveness
+from deployments.request_body import (
+    off_the_loop_if_large,
+    parse_body,
+    parse_bytes,
+    parse_json_object,
+    read_body,
+    validate_body,
+)
 from deployments.request_log import RequestLogMiddleware, router_timed
 from deployments.response_store import response_store
 from deployments.responses_api import StoredResponses
@@ -80,12 +90,16 @@ from deployments.tokenization_schemas import (
     TokenizeResponse,
     tokenize_request_model,
 )
-from engine.grammar_compiler import BoundedWorker, GrammarTimeout, start_forkserver
+from engine.grammar_compiler import BoundedWorker, GrammarBusy, GrammarTimeout, start_forkserver
 from router import Principal, RouterError
+from router.errors import OverloadedError
 
 logger = logging.getLogger(__name__)
 # What the gateway's grammar-check workers import (deployments/sampling.py builds the grammars).
 GRAMMAR_PRELOAD = ("deployments.sampling",)
+# The prompt's token estimate charged before the body is parsed: JSON text runs about four bytes a
+# token in the tokenizers raylane serves; settled with the real count when the request ends.
+PROMPT_BYTES_PER_TOKEN = 4
 
 app = FastAPI(title="raylane", description="OpenAI-compatible API of a raylane cluster", docs_url=None)
 app.add_middleware(RequestLogMiddleware)  # x-request-id, one JSON log line and HTTP metrics per request
@@ -101,14 +115,23 @@ class Draining(OpenAIError):
         )
 
 
+def _refund(request: Request) -> None:
+    """A request answered with an error before it was served gives back its up-front token charge."""
+    charge = getattr(request.state, "rate_charge", None)
+    if charge is not None:
+        charge.settle(0)
+
+
 @app.exception_handler(OpenAIError)
-async def _openai_error(_: Request, error: OpenAIError) -> JSONResponse:
+async def _openai_error(request: Request, error: OpenAIError) -> JSONResponse:
+    _refund(request)
     headers = {"retry-after": str(RETRY_AFTER_S)} if isinstance(error, Draining) else None
     return error_response(error, headers)
 
 
 @app.exception_handler(RouterError)
-async def _router_error(_: Request, error: RouterError) -> JSONResponse:
+async def _router_error(request: Request, error: RouterError) -> JSONResponse:
+    _refund(request)
     return JSONResponse(error.to_openai(), status_code=error.status, headers=error.headers())
 
 
@@ -119,7 +142,8 @@ async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse
 
 
 @app.exception_handler(Exception)
-async def _unexpected(_: Request, error: Exception) -> JSONResponse:
+async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+    _refund(request)
     logger.exception("unhandled error in the gateway")
     return error_response(internal_error())
 
@@ -145,7 +169,8 @@ class Gateway:
         start_forkserver(GRAMMAR_PRELOAD)  # what its workers import, now rather than for that request
         context = serve.get_replica_context()
         self.drain = DrainWatcher(context.app_name, context.replica_id.unique_id)
-        self.pool_health = PoolHealth(self.pools, self.router, self.config.gateway.pool_health_period_s)
+        period_s, alive = self.config.gateway.pool_health_period_s, serve_liveness(context.app_name)
+        self.pool_health = PoolHealth(self.pools, self.router, period_s, alive)
         self.dispatcher = Dispatcher(self.config, self.router, self.pools, self.pool_health, self.drain)
         self._stored_responses: StoredResponses | None = None
         self.affinity = ConversationAffinity(self.config.router.affinity)
@@ -157,11 +182,13 @@ class Gateway:
     )
     async def chat_completions(self, request: Request) -> Response:
         principal = self.authenticate(request)
-        req = await parse_body(request, ChatCompletionRequest, self.config.gateway.max_request_body_bytes)
-        params, tools = await self.prepare(chat_params, req)
+        body = await self.read_charged(request, principal)  # the rate limit, before any parsing
+        req = await parse_bytes(body, ChatCompletionRequest)
+        self.charge_output(request, principal, req.max_output_tokens, req.n)
+        params, tools = await self.prepare(chat_params, req, principal)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         resolution, conversation = await router_timed(
-            self.affinity.resolve(self.router, req.model, messages, req.prompt_cache_key)
+            self.affinity.resolve(self.router, principal, req.model, messages, req.prompt_cache_key)
         )
         request_id = uuid.uuid4().hex
         response = await self.dispatcher.dispatch(
@@ -171,6 +198,7 @@ class Gateway:
             bool(req.stream),
             request_id,
             lambda pool, priority, resume: pool.chat.remote(req, params, tools, request_id, priority, resume),
+            request.state.rate_charge,
         )
         self.affinity.served(conversation, resolution, response)  # later turns of `auto` stay on its pool
         return response
@@ -178,9 +206,11 @@ class Gateway:
     @app.post("/v1/completions", **route_docs(Completion, CompletionRequest, Completion))
     async def completions(self, request: Request) -> Response:
         principal = self.authenticate(request)
-        req = await parse_body(request, CompletionRequest, self.config.gateway.max_request_body_bytes)
+        body = await self.read_charged(request, principal)  # the rate limit, before any parsing
+        req = await parse_bytes(body, CompletionRequest)
         self.check_batch(len(req.prompts()))
-        params = await self.prepare(completion_params, req)
+        self.charge_output(request, principal, req.max_output_tokens, req.n * len(req.prompts()))
+        params = await self.prepare(completion_params, req, principal)
         texts = [p for p in req.prompts() if isinstance(p, str)]
         resolution = await router_timed(
             self.router.resolve_async(req.model, [{"role": "user", "content": t} for t in texts])
@@ -193,18 +223,19 @@ class Gateway:
             bool(req.stream),
             request_id,
             lambda pool, priority, resume: pool.completions.remote(req, params, request_id, priority, resume),
+            request.state.rate_charge,
         )
 
     @app.post("/v1/embeddings", **route_docs(EmbeddingResponse, EmbeddingRequest))
     async def embeddings(self, request: Request) -> Response:
         principal = self.authenticate(request)  # MiniLM runs here: keyed like every other endpoint
-        body = await read_body(request, self.config.gateway.max_request_body_bytes)
-        estimate = estimate_tokens(body)
-        self.router.check_rate(principal, estimate)  # charged before the body is parsed
-        req = validate_body(json_object(body), EmbeddingRequest)
+        body = await self.read_charged(request, principal)  # its tokens estimated, before parsing
+        req = await parse_bytes(body, EmbeddingRequest)
         response = await create_embeddings(self.config.embeddings, req)
-        if (more := response.usage.prompt_tokens - estimate) > 0:  # settled: MiniLM's own count
-            self.router.record_usage(principal, more)
+        # MiniLM's tokenizer reads every byte though the model reads only 256 tokens of an input:
+        # settled with its count, never below the body's estimate.
+        estimate = len(body) // PROMPT_BYTES_PER_TOKEN
+        request.state.rate_charge.settle(max(response.usage.prompt_tokens, estimate))
         return Response(response.to_json(), media_type="application/json")
 
     @app.post("/tokenize", **route_docs(TokenizeResponse, (TokenizeChatRequest, TokenizeCompletionRequest)))
@@ -212,10 +243,9 @@ class Gateway:
         """vLLM's /tokenize: `prompt`, or `messages` through the chat template, counted by the pool
         that `model` names (its tokenizer, its `max_model_len`)."""
         principal = self.authenticate(request)
-        body = await read_body(request, self.config.gateway.max_request_body_bytes)
-        # The pool's template and tokenizer work grows with the text: charged as its tokens, first.
-        self.router.check_rate(principal, estimate_tokens(body))
-        data = json_object(body)
+        # The pool's template and tokenizer work grows with the text: its tokens are charged first.
+        body = await self.read_charged(request, principal)
+        data = await off_the_loop_if_large(body, lambda: parse_json_object(body))
         req = validate_body(data, tokenize_request_model(data))
         messages = [m.model_dump(exclude_none=True) for m in getattr(req, "messages", [])]
         return await self.call_pool(req.model, messages, lambda pool: pool.tokenize.remote(req))
@@ -232,13 +262,15 @@ class Gateway:
         """OpenAI's Responses API, served as the chat request it maps to (deployments/responses_request.py)
         by the same router, tiers, admission and fallback; stored for `previous_response_id`."""
         principal = self.authenticate(request)
-        req = await parse_body(request, ResponsesRequest, self.config.gateway.max_request_body_bytes)
+        body = await self.read_charged(request, principal)  # the rate limit, before any parsing
+        req = await parse_bytes(body, ResponsesRequest)
+        self.charge_output(request, principal, req.max_output_tokens, 1)
         check_supported(req)
         previous = req.previous_response_id
         history = await self.stored_responses.history(previous, principal) if previous else []
         chat_req = to_chat_request(req, history)
         try:
-            params, plan = await self.prepare(chat_params, chat_req)
+            params, plan = await self.prepare(chat_params, chat_req, principal)
         except OpenAIError as e:
             raise responses_error(e) from None
         messages = [m.model_dump(exclude_none=True) for m in chat_req.messages]
@@ -253,6 +285,7 @@ class Gateway:
             lambda pool, priority, resume: pool.responses.remote(
                 chat_req, params, plan, request_id, echoed, priority, resume
             ),
+            request.state.rate_charge,
         )
         if req.store is False:
             return response
@@ -281,30 +314,52 @@ class Gateway:
         return Response(card.to_json(), media_type="application/json")
 
     @app.get("/health")
-    async def health(self) -> JSONResponse:
-        """200 when every pool answers, with each pool's load; 503 naming the pools that do not.
-        `router` has this gateway replica's view: slots in flight, waiting requests, circuit state."""
+    async def health(self, request: Request) -> JSONResponse:
+        """200 while every pool is up (`ok`, or `busy`: alive, too loaded to answer its probe in
+        time), 503 naming the pools that are down. From the health loop's last check, so a call costs
+        no round trip to the pools. With API keys configured, a caller without a valid key learns
+        only the status; with one, each pool's load and this gateway replica's `router` view too."""
         self.pool_health.watch()
         self.drain.start()
-        pools = await self.pool_health.check()
-        healthy = all(p["status"] == "ok" for p in pools.values())
+        pools = await self.pool_health.current()
+        healthy = all(p["status"] != "unavailable" for p in pools.values())
         status = "draining" if self.drain.draining else "ok" if healthy else "degraded"
+        code = 200 if status == "ok" else 503
+        if not self.may_see_internals(request):
+            return JSONResponse({"status": status}, code)
         body = {
             "status": status,
             "pools": pools,
             "router": self.pool_health.router_state(),
             "gateway": {"in_flight": self.drain.in_flight, "asyncio_tasks": len(asyncio.all_tasks())},
         }
-        return JSONResponse(body, 200 if status == "ok" else 503)
+        return JSONResponse(body, code)
 
     @app.get("/metrics")
-    async def metrics(self) -> Response:
-        """Prometheus text format, aggregated over every gateway and pool replica of the app."""
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus text format, aggregated over every gateway and pool replica of the app (behind an
+        API key when `gateway.metrics_require_key`)."""
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        if self.config.gateway.metrics_require_key:
+            self.router.authenticate(request.headers)
         return Response(await render_cluster_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     # -- helpers ----------------------------------------------------------------------------------
+
+    async def read_charged(self, request: Request, principal: Principal) -> bytes:
+        """The body's bytes (413 past the limit), charged to the key's rate limit before anything
+        reads them: one request and the prompt's estimate, `PROMPT_BYTES_PER_TOKEN` bytes a token
+        (429 when over it). A key over its limit costs this replica a bounded read and a look-up."""
+        body = await read_body(request, self.config.gateway.max_request_body_bytes)
+        request.state.rate_charge = self.router.check_rate(principal, len(body) // PROMPT_BYTES_PER_TOKEN)
+        return body
+
+    def charge_output(self, request: Request, principal: Principal, max_tokens: int | None, n: int) -> None:
+        """Charge what the request may generate, `max_tokens` x `n` (`router.max_tokens_estimate` a
+        choice without max_tokens), up front; 429 when the key's tokens/min cannot cover it."""
+        per_choice = max_tokens if max_tokens is not None else self.config.router.max_tokens_estimate
+        self.router.charge_more(principal, request.state.rate_charge, per_choice * n)
 
     def check_batch(self, prompts: int) -> None:
         """Each prompt of a batch is its own engine request (n of them with `n`): bounded, so that one
@@ -313,18 +368,26 @@ class Gateway:
         if prompts > limit:
             raise invalid("prompt", f"A batch may hold at most {limit} prompts, got {prompts}.")
 
-    async def prepare(self, fn, req):
+    async def prepare(self, fn, req, principal: Principal):
         """`fn(req)`: the request's sampling parameters. With a grammar (a schema, regex, EBNF, tool
         definitions) the checks and builds that can take exponential time run in a bounded worker
         process: past `GRAMMAR_TIMEOUT_S` the request gets a 400 naming the field and this event
-        loop never waited on it. Without one, here (microseconds)."""
+        loop never waited on it; when the worker's queue, or the key's share of it, is full, a 429
+        with Retry-After at once. Without one, here (microseconds)."""
         param = grammar_param(req)
         if param is None:
             return fn(req)
         if self.grammar_worker is None:
             self.grammar_worker = BoundedWorker(preload=GRAMMAR_PRELOAD)
         try:
-            return await self.grammar_worker.run(fn, req)
+            return await self.grammar_worker.run(fn, req, key=principal.key_id)
+        except GrammarBusy as e:
+            raise OverloadedError(
+                f"Too many requests with a grammar ('{param}') are waiting to be checked: {e}. "
+                "Retry later, or send fewer at once.",
+                retry_after=e.retry_after,
+                reason="grammar_queue",
+            ) from None
         except GrammarTimeout as e:
             raise invalid(
                 param,
@@ -354,7 +417,12 @@ class Gateway:
         if self._stored_responses is None:
             gateway = self.config.gateway
             app_name = serve.get_replica_context().app_name
-            store = response_store(app_name, gateway.responses_max_stored, gateway.responses_ttl_s)
+            store = response_store(
+                app_name,
+                gateway.responses_max_stored,
+                gateway.responses_ttl_s,
+                gateway.responses_max_stored_per_key,
+            )
             self._stored_responses = StoredResponses(store)
         return self._stored_responses
 
@@ -369,6 +437,14 @@ class Gateway:
         self.drain.start()
         if self.drain.draining:
             raise Draining()
+
+    def may_see_internals(self, request: Request) -> bool:
+        """Open mode, or a valid API key: /health's details (pool names, loads) are for callers."""
+        try:
+            self.router.authenticate(request.headers)
+        except RouterError:
+            return False
+        return True
 
     def authenticate(self, request: Request) -> Principal:
         self.check_open()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
@@ -42,10 +44,12 @@ class ModelPool:
         """`prepare_engine_config` finds the pool's checkpoint on this replica's node (the app builder
         passes `cluster.model_sources.prepare_engine_config`, which also writes a demo checkpoint a
         fresh node lacks); the default takes the pool's `model` as a path."""
+        started = time.time()
         self.pool = PoolConfig.model_validate(pool)
         config = prepare_engine_config(self.pool)
         logger.info("pool %s: loading %s", self.pool.name, config.model)
         self.llm = AsyncLLM(config)
+        engine_ready = time.time()
         self.metrics = PoolMetrics(self.pool.name, self.pool.model_id)
         self.reporter = MetricsReporter(self.metrics, self._gauges)
         metered = MeteredLLM(self.llm, self.metrics)
@@ -60,6 +64,17 @@ class ModelPool:
         self.responses_serving = OpenAIServingResponses(self.chat_serving, self.pool.reasoning_parser)
         self.chat_serving.reasoning_parser = self.pool.reasoning_parser
         self.chat_serving.sanitize_control_tokens = sanitize
+        # Wall-clock times (comparable across this machine's processes) for `raylane bench recovery`.
+        self.startup = {
+            "pid": os.getpid(),
+            "init": started,
+            "engine_ready": engine_ready,
+            "ready": time.time(),
+        }
+        logger.info(
+            "pool %s: replica ready in %.1fs (engine %.1fs)",
+            self.pool.name, self.startup["ready"] - started, engine_ready - started,
+        )  # fmt: skip
 
     async def chat(
         self,
@@ -134,6 +149,11 @@ class ModelPool:
         self.reporter.start()
         stats = await self.llm.run_in_engine(engine_stats)
         return {"pool": self.pool.name, "model": self.pool.model_id, **stats}
+
+    async def startup_times(self) -> dict:
+        """When this replica's constructor began, its engine was ready and the constructor ended
+        (`time.time()`), with its pid: the phases of a replica's start (`raylane bench recovery`)."""
+        return self.startup
 
     async def record_routing_stats(self) -> dict:
         """Serve calls this every `routing.stats_period_s`; the pool's request router

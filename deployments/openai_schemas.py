@@ -14,7 +14,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 # Bounds on what a client may send (besides the body size, `gateway.max_request_body_bytes`): OpenAI's
@@ -23,6 +31,12 @@ MAX_MESSAGES = 2048
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_LENGTH = 256  # characters: the detokenizer holds back text that may begin a stop string
 MAX_STOP_TOKEN_IDS = 256
+# Fields that identify rather than say something: an end user, a cache key, a tier. A client's value
+# is kept in logs, maps and stored responses, so it is bounded like a name, not like a prompt.
+MAX_IDENTIFIER_CHARS = 512
+MAX_NAME_CHARS = 256  # names and ids echoed back in messages (tool call names, ids): generous
+# OpenAI's published bounds on `metadata`.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 # `apply_chat_template`'s own arguments: `chat_template_kwargs` may set the template's variables
 # (enable_thinking, ...) but not these. A template sent by a client would run in the pool replica
 # (an endless loop in it blocks the replica; vLLM refuses one unless trusted), and the others would
@@ -42,6 +56,26 @@ def template_variables_only(kwargs: dict[str, Any] | None) -> dict[str, Any] | N
     if reserved:
         raise ValueError(f"may set the chat template's variables only, not {', '.join(reserved)}")
     return kwargs
+
+
+def _bounded_metadata(value: Any) -> Any:
+    """OpenAI's `metadata`: at most 16 pairs, string keys of 64 characters, string values of 512.
+    The count is checked first, so a million pairs cost one comparison."""
+    if not isinstance(value, dict):
+        return value  # the dict type check after this names it
+    if len(value) > MAX_METADATA_PAIRS:
+        raise ValueError(f"at most {MAX_METADATA_PAIRS} key-value pairs, got {len(value)}")
+    for key, item in value.items():
+        if not isinstance(key, str) or len(key) > MAX_METADATA_KEY_CHARS:
+            raise ValueError(f"keys must be strings of at most {MAX_METADATA_KEY_CHARS} characters")
+        if not isinstance(item, str) or len(item) > MAX_METADATA_VALUE_CHARS:
+            raise ValueError(f"values must be strings of at most {MAX_METADATA_VALUE_CHARS} characters")
+    return value
+
+
+Metadata = Annotated[dict[str, str], BeforeValidator(_bounded_metadata)]
+Identifier = Annotated[str, Field(max_length=MAX_IDENTIFIER_CHARS)]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 
 
 class _Request(BaseModel):
@@ -88,12 +122,12 @@ Content = str | list[ContentPart]
 
 
 class FunctionCall(_Lenient):
-    name: str
+    name: Name
     arguments: str | dict[str, Any] = "{}"
 
 
 class ToolCall(_Lenient):
-    id: str | None = None
+    id: Name | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
@@ -101,26 +135,26 @@ class ToolCall(_Lenient):
 class SystemMessage(_Lenient):
     role: Literal["system", "developer"]
     content: Content
-    name: str | None = None
+    name: Name | None = None
 
 
 class UserMessage(_Lenient):
     role: Literal["user"]
     content: Content
-    name: str | None = None
+    name: Name | None = None
 
 
 class AssistantMessage(_Lenient):
     role: Literal["assistant"]
     content: Content | None = None
     tool_calls: list[ToolCall] | None = None
-    name: str | None = None
+    name: Name | None = None
 
 
 class ToolMessage(_Lenient):
     role: Literal["tool"]
     content: Content
-    tool_call_id: str
+    tool_call_id: Name
 
 
 ChatMessage = Annotated[
@@ -145,7 +179,7 @@ class Tool(_Lenient):
 
 
 class FunctionName(_Lenient):
-    name: str
+    name: Name
 
 
 class NamedToolChoice(_Lenient):
@@ -222,13 +256,13 @@ class SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    # Accepted and ignored, as a self-hosted server does.
-    metadata: dict[str, Any] | None = None
+    user: Identifier | None = None
+    # Accepted and ignored, as a self-hosted server does (prompt_cache_key names an `auto` conversation).
+    metadata: Metadata | None = None
     store: bool | None = None
-    service_tier: str | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
+    service_tier: Identifier | None = None
+    prompt_cache_key: Identifier | None = None
+    safety_identifier: Identifier | None = None
     # vLLM extensions (extra_body).
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
@@ -309,7 +343,7 @@ class EmbeddingRequest(_Request):
     input: EmbeddingInput
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
-    user: str | None = None
+    user: Identifier | None = None
 
 
 # -- responses -------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ def pool_failure(error: BaseException) -> OpenAIError:
     if isinstance(error, EngineDeadError):
         return unavailable(f"The model pool's engine failed: {error}")
     if isinstance(error, BackPressureError):
-        return OpenAIError("The model pool is overloaded; retry later.", status=503, code="overloaded")
+        return OpenAIError("The model pool is overloaded; retry later.", status=429, code="overloaded")
     if isinstance(error, RayActorError | ActorUnavailableError | DeploymentUnavailableError):
         return unavailable("The model pool is unavailable; retry later.")
     logger.error("model pool call failed: %r", error)

@@ -1,17 +1,66 @@
-"""The gateway's view of its pools' health: a background loop asks each pool for its stats every
-`gateway.pool_health_period_s`; a pool that does not answer is marked unhealthy in the router (which
-skips it) and its outage wakes the requests waiting for its first item, so they fall back."""
+"""The gateway's view of its pools' health, kept apart from their load.
+
+A background loop asks each pool for its stats every `gateway.pool_health_period_s`. That call
+goes through the pool's DeploymentHandle, so at a peak it waits for a free slot
+(`max_ongoing_requests`) behind the streams being served: its silence says the pool is busy, not
+that it is down. So a probe that times out is only a question, answered by Ray and Serve rather
+than by the pool's event loop (`replicas_alive`): the pool is down when Serve reports no replica
+RUNNING, or none of its replica actors is still alive in Ray's actor table (a dead process, or one
+on a node Ray has declared dead). A busy pool keeps its traffic, and /health shows it as `busy`
+with the load it last reported. A probe that fails with an error, twice, means down as before.
+
+A pool found down is skipped by the router and its outage wakes the requests waiting for its
+first item, so they fall back. /health answers from the view of the last check (`view`): a call
+costs no fan-out to the pools.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from router import Router
 
 logger = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 5.0
+POOL_DEPLOYMENT_PREFIX = "ModelPool:"
+
+# pool name -> whether any of its replicas is alive (asked of Ray and Serve, not of the pool)
+Liveness = Callable[[str], Awaitable[bool]]
+
+
+def pool_deployment_name(pool_name: str) -> str:
+    return f"{POOL_DEPLOYMENT_PREFIX}{pool_name}"
+
+
+def serve_liveness(app_name: str) -> Liveness:
+    """`replicas_alive` for the pools of the Serve app `app_name`, off the event loop."""
+
+    async def alive(pool: str) -> bool:
+        return await asyncio.to_thread(replicas_alive, app_name, pool_deployment_name(pool))
+
+    return alive
+
+
+def replicas_alive(app_name: str, deployment: str) -> bool:
+    """Whether Serve has a RUNNING replica of `deployment` and Ray still lists one of its replica
+    actors as alive. Both are control-plane reads (Serve's controller, Ray's GCS), answered whatever
+    the replicas are doing. Serve's view lags a death by up to its health-check period; Ray drops a
+    dead actor's name at once (and a dead node's actors once it declares the node dead), so the two
+    together say "gone" as soon as either knows. Replica actors are named
+    `SERVE_REPLICA::<app>#<deployment>#<id>` in the `serve` namespace."""
+    import ray
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    status = app.deployments.get(deployment) if app is not None else None
+    if status is None or status.replica_states.get("RUNNING", 0) == 0:
+        return False
+    prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
+    return any(a["name"].startswith(prefix) for a in ray.util.list_named_actors(all_namespaces=True))
 
 
 class PoolOutage(Exception):
@@ -19,9 +68,14 @@ class PoolOutage(Exception):
 
 
 class PoolHealth:
-    def __init__(self, pools: dict[str, Any], router: Router, period_s: float) -> None:
-        self.pools, self.router, self.period_s = pools, router, period_s
+    def __init__(
+        self, pools: dict[str, Any], router: Router | None, period_s: float, alive: Liveness | None = None
+    ) -> None:
+        """`alive` settles a probe that timed out; without it, silence means down."""
+        self.pools, self.router, self.period_s, self.alive = pools, router, period_s, alive
         self.outages: dict[str, asyncio.Event] = {}  # set while the health loop finds the pool down
+        self.view: dict[str, dict] = {}  # each pool's status as the last check found it
+        self._last_stats: dict[str, tuple[float, dict]] = {}  # (when, stats) of each pool's last answer
         self._watcher: asyncio.Task | None = None
 
     def watch(self) -> None:
@@ -37,24 +91,48 @@ class PoolHealth:
                 logger.exception("pool health check failed")
             await asyncio.sleep(self.period_s)
 
+    async def current(self) -> dict[str, dict]:
+        """The last check's view (a fresh check only before the first one has finished)."""
+        return self.view if len(self.view) == len(self.pools) else await self.check()
+
     async def check(self) -> dict[str, dict]:
-        """Each pool's load, or why it did not answer; the router skips pools that did not."""
+        """Each pool's status and load; the router skips pools found down."""
         names = list(self.pools)
-        results = await asyncio.gather(*(self.probe(n) for n in names), return_exceptions=True)
-        pools = {}
-        for name, result in zip(names, results, strict=True):
-            if isinstance(result, BaseException):
-                pools[name] = {"status": "unavailable", "error": f"{type(result).__name__}: {result}"[:300]}
-            else:
-                pools[name] = {"status": "ok", **result}
-            healthy = pools[name]["status"] == "ok"
-            self.router.set_pool_healthy(name, healthy)
+        pools = dict(zip(names, await asyncio.gather(*(self._status(n) for n in names)), strict=True))
+        for name, status in pools.items():
+            healthy = status["status"] != "unavailable"
+            if self.router is not None:
+                self.router.set_pool_healthy(name, healthy)
             outage = self.outages.setdefault(name, asyncio.Event())
             if not healthy:
                 outage.set()  # wakes the requests waiting for this pool's first item: they fall back
             elif outage.is_set():
                 self.outages[name] = asyncio.Event()
+        self.view = pools
         return pools
+
+    async def _status(self, pool: str) -> dict:
+        try:
+            stats = await self.probe(pool)
+        except TimeoutError:
+            return await self._silent(pool)
+        except Exception as e:
+            return {"status": "unavailable", "error": f"{type(e).__name__}: {e}"[:300]}
+        self._last_stats[pool] = (time.monotonic(), stats)
+        return {"status": "ok", **stats}
+
+    async def _silent(self, pool: str) -> dict:
+        """A probe that timed out: busy if Ray and Serve still have a live replica of the pool."""
+        try:
+            alive = self.alive is not None and await self.alive(pool)
+        except Exception as e:
+            logger.warning("could not ask Serve whether pool %s has live replicas: %r", pool, e)
+            alive = False
+        if not alive:
+            return {"status": "unavailable", "error": f"no replica answered within {HEALTH_TIMEOUT_S:g}s"}
+        when, stats = self._last_stats.get(pool, (None, {}))
+        age = None if when is None else round(time.monotonic() - when, 1)
+        return {"status": "busy", **stats, "stats_age_s": age}
 
     async def probe(self, pool: str) -> dict:
         """One replica's stats. A replica that just died fails at once, and Serve sends the retry to

@@ -1,10 +1,23 @@
-"""Relaying a pool's SSE stream to the client, after its first item decided the response."""
+"""Relaying a pool's SSE stream to the client, after its first item decided the response.
+
+A client that stops reading must not hold its pool slot (and the engine's sequence) for as long as
+it likes: `BoundedStreamingResponse` gives each write to the client `gateway.stream_write_timeout_s`;
+a write still blocked then ends the response, which closes the relay: the pool call is cancelled
+(the engine aborts the request) and the slot released. Where the ASGI server applies backpressure
+(uvicorn: `send` waits while the socket's buffers are full) this is what bounds a slow reader. Under
+Ray Serve the replica's `send` only appends to a queue that the proxy drains, so it never blocks:
+there a slow reader's slot is freed when generation ends (bounded by max_tokens), and the events it
+has not read wait in the proxy.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+
+from starlette.responses import StreamingResponse
+from starlette.types import Message, Send
 
 from deployments.errors import OpenAIError
 from deployments.pool_failures import pool_failure
@@ -100,6 +113,35 @@ def _note(summary: RequestSummary | None, resumer: Resumer | None) -> int | None
         summary.cached_tokens = min(summary.cached_tokens, summary.prompt_tokens)
     note_summary(summary)
     return summary.prompt_tokens + summary.completion_tokens
+
+
+class _SlowReader(Exception):
+    pass
+
+
+class BoundedStreamingResponse(StreamingResponse):
+    """A `StreamingResponse` whose writes to the client each get `write_timeout_s`: a client that
+    stops reading is cut off and its stream (the relay, the pool call, the slot) closed."""
+
+    def __init__(self, content, *, write_timeout_s: float, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.write_timeout_s = write_timeout_s
+
+    async def stream_response(self, send: Send) -> None:
+        async def bounded(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.write_timeout_s)
+            except TimeoutError:
+                raise _SlowReader from None
+
+        try:
+            await super().stream_response(bounded)
+        except _SlowReader:
+            logger.warning(
+                "client stopped reading its stream for %gs: aborted, its pool slot released",
+                self.write_timeout_s,
+            )
+            await self.body_iterator.aclose()  # the relay's clean-up: cancel the call, free the slot
 
 
 _draining: set[asyncio.Task] = set()

@@ -10,12 +10,20 @@ decoder and the validators after it recurse per level and would otherwise fail w
 are Rust and take UTF-8: they raise TypeError on them, and would fail the request in every pool).
 Tested against the shipped tokenizer: NUL, other control characters, noncharacters, BOMs and
 unassigned code points all encode; lone surrogates are the only text they refuse.
+
+Parsing, the walks and validation cost time linear in the body, which the client chose: a body over
+`INLINE_BODY_BYTES` is parsed and validated in a thread (`asyncio.to_thread`), so the gateway's event
+loop keeps streaming to others meanwhile (the walks are Python and yield the GIL as they go; the C
+decoder and pydantic's validator hold it, a few milliseconds a MiB). Small bodies, nearly all of
+them, are parsed inline, where a thread hop would cost more than the parse.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -23,7 +31,8 @@ from starlette.requests import Request
 from deployments.errors import OpenAIError, from_validation_error, invalid
 
 MAX_JSON_DEPTH = 64  # real tool schemas nest a dozen levels; json.loads itself gives up near 1000
-BYTES_PER_TOKEN = 4  # English text in BPE vocabularies: about 4 bytes a token
+INLINE_BODY_BYTES = 64 * 1024  # larger bodies are parsed and validated off the event loop
+T = TypeVar("T")
 
 
 def body_too_large(max_bytes: int, got: int | None = None) -> OpenAIError:
@@ -49,17 +58,30 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 
 async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
-    return json_object(await read_body(request, max_bytes))
+    """The body as a JSON object, checked (depth, Unicode), or a 4xx naming what is wrong."""
+    body = await read_body(request, max_bytes)
+    return await off_the_loop_if_large(body, lambda: parse_json_object(body))
 
 
-def estimate_tokens(body: bytes) -> int:
-    """The tokens a body's text is charged up front, before it is parsed: its length in bytes over
-    `BYTES_PER_TOKEN` (its JSON punctuation counts too: linear in the bytes, and never free)."""
-    return -(-len(body) // BYTES_PER_TOKEN)
+async def parse_body(request: Request, model: type[BaseModel], max_bytes: int) -> Any:
+    """The body as `model`, or a 4xx naming what is wrong (size and nesting first, then the JSON)."""
+    return await parse_bytes(await read_body(request, max_bytes), model)
 
 
-def json_object(body: bytes) -> dict[str, Any]:
-    """A body read within its limit, parsed: a JSON object, not nested too deep, valid Unicode."""
+async def parse_bytes(body: bytes, model: type[BaseModel]) -> Any:
+    """A body already read (and bounded: `read_body`) as `model`, or a 400 naming what is wrong."""
+    return await off_the_loop_if_large(body, lambda: validate_body(parse_json_object(body), model))
+
+
+async def off_the_loop_if_large(body: bytes, work: Callable[[], T]) -> T:
+    """`work()` (parsing `body`): inline for a small body, in a thread for a large one."""
+    if len(body) > INLINE_BODY_BYTES:
+        return await asyncio.to_thread(work)
+    return work()
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """A request body parsed as a JSON object within the depth limit, all of its text Unicode."""
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -84,11 +106,6 @@ def json_object(body: bytes) -> dict[str, Any]:
     return data
 
 
-async def parse_body(request: Request, model: type[BaseModel], max_bytes: int) -> Any:
-    """The body as `model`, or a 4xx naming what is wrong (size and nesting first, then the JSON)."""
-    return validate_body(await read_json_object(request, max_bytes), model)
-
-
 def validate_body(data: dict[str, Any], model: type[BaseModel]) -> Any:
     """A parsed body as `model`, or a 400 naming the first wrong parameter."""
     try:
@@ -98,24 +115,45 @@ def validate_body(data: dict[str, Any], model: type[BaseModel]) -> Any:
 
 
 def unencodable_text(value: Any) -> str | None:
-    """Where the first string (value or key) that UTF-8 cannot encode is, as `messages[0].content`
-    ('' for the value itself); None when every string is valid Unicode. Iterative, like
-    `nesting_depth`, and cheap for ASCII."""
-    stack: list[tuple[Any, str]] = [(value, "")]
-    while stack:
-        item, path = stack.pop()
-        if isinstance(item, str):
-            if not _encodable(item):
-                return path
-        elif isinstance(item, dict):
-            for key, child in item.items():
-                where = f"{path}.{key}" if path else str(key)
-                if not _encodable(key):
-                    return path or where.encode("utf-8", "backslashreplace").decode()
-                stack.append((child, where))
-        elif isinstance(item, list):
-            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(item))
+    """Where the first string (value or key, in document order) that UTF-8 cannot encode is, as
+    `messages[0].content` ('' for the value itself); None when every string is valid Unicode.
+
+    Depth first without recursion, like `nesting_depth`: the path is the stack of keys and indices
+    being walked, turned into a string only for the one wrong element, so a million-element array
+    costs a million checks and no strings. Cheap for ASCII."""
+    if not isinstance(value, dict | list):
+        return None if not isinstance(value, str) or _encodable(value) else ""
+    path: list[str | int] = [0]
+    walks = [_children(value)]
+    while walks:
+        for key, child in walks[-1]:
+            path[-1] = key
+            if isinstance(key, str) and not _encodable(key):  # a bad key: name the object holding it
+                where = _path_text(path[:-1])
+                return where or key.encode("utf-8", "backslashreplace").decode()
+            if isinstance(child, str):
+                if not _encodable(child):
+                    return _path_text(path)
+            elif isinstance(child, dict | list):
+                walks.append(_children(child))
+                path.append(0)
+                break
+        else:  # this container is done
+            walks.pop()
+            path.pop()
     return None
+
+
+def _children(container: dict | list):
+    return iter(container.items()) if isinstance(container, dict) else enumerate(container)
+
+
+def _path_text(path: list[str | int]) -> str:
+    """`["messages", 0, "content"]` -> `messages[0].content`."""
+    text = ""
+    for part in path:
+        text += f"[{part}]" if isinstance(part, int) else f".{part}" if text else part
+    return text
 
 
 def _encodable(text: str) -> bool:

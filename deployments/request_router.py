@@ -17,6 +17,11 @@ as far; a match over character blocks is then a match over KV blocks, give or ta
 straddles the first difference. (Ray Serve LLM's PrefixCacheAffinityRouter matches text too, in a
 prefix tree held by one actor; here each handle keeps its own index, with no actor call per request.)
 
+**Bounded per request.** Only a request's leading `max_blocks_per_request` blocks are read, hashed
+and remembered: a multi-megabyte prompt costs the same as one of that many blocks, and cannot flush
+the prefixes of everyone else's requests out of the index (the blocks are 16-byte digests; the index
+holds no prompt text).
+
 **The index.** For each replica, the block hashes of the requests this handle routed to it, least
 recently routed forgotten past `max_indexed_blocks` (the engine forgets its own least recently freed
 blocks the same way). It is this handle's view: with several gateway replicas each learns from what
@@ -53,20 +58,25 @@ LEAST_LOADED = "least_loaded"
 _SEP = "\x00"  # between a message's role and content, and between messages: text cannot forge it
 
 
-def request_text(args: Iterable[Any]) -> str:
+def request_text(args: Iterable[Any], max_chars: int | None = None) -> str:
     """The prompt text of a pool call's arguments: a chat request's messages (role and text of each,
-    in order) or a completion request's prompt; "" when there is none (a token-id prompt)."""
+    in order) or a completion request's prompt; "" when there is none (a token-id prompt). At most
+    `max_chars` characters, and messages past them are not read."""
     for arg in args:
         messages = getattr(arg, "messages", None)
         if messages is not None:
-            return "".join(
-                f"{_field(m, 'role')}{_SEP}{_content_text(_field(m, 'content'))}{_SEP}" for m in messages
-            )
+            parts, length = [], 0
+            for m in messages:
+                parts.append(f"{_field(m, 'role')}{_SEP}{_content_text(_field(m, 'content'))}{_SEP}")
+                length += len(parts[-1])
+                if max_chars is not None and length >= max_chars:
+                    break
+            return "".join(parts)[:max_chars]
         prompt = getattr(arg, "prompt", None)
-        if isinstance(prompt, str):
-            return prompt
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            return prompt[0]  # a batch: its first prompt's replica serves the whole batch
+            prompt = prompt[0]  # a batch: its first prompt's replica serves the whole batch
+        if isinstance(prompt, str):
+            return prompt[:max_chars]
     return ""
 
 
@@ -82,14 +92,17 @@ def _content_text(content: Any) -> str:
     return ""
 
 
-def block_hashes(text: str, block_chars: int) -> list[bytes]:
-    """Chain hashes of the text's full blocks, as the engine hashes token blocks: each block's hash
-    covers every block before it, so equal hashes mean equal prefixes."""
+def block_hashes(text: str, block_chars: int, max_blocks: int | None = None) -> list[bytes]:
+    """Chain hashes of the text's full blocks (the first `max_blocks` of them), as the engine hashes
+    token blocks: each block's hash covers every block before it, so equal hashes mean equal prefixes."""
     hashes: list[bytes] = []
     parent = b""
+    if max_blocks is not None:
+        text = text[: max_blocks * block_chars]  # a character is at least one byte: enough for them all
     data = text.encode("utf-8", "surrogatepass")
     chars = block_chars  # bytes of UTF-8 from here on: one block is `block_chars` bytes
-    for start in range(0, len(data) - chars + 1, chars):
+    end = len(data) - chars + 1 if max_blocks is None else min(len(data) - chars + 1, max_blocks * chars)
+    for start in range(0, end, chars):
         parent = hashlib.blake2b(parent + data[start : start + chars], digest_size=16).digest()
         hashes.append(parent)
     return hashes
@@ -163,12 +176,14 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         max_imbalance: int = 8,
         block_chars: int = 64,
         max_indexed_blocks: int = 65536,
+        max_blocks_per_request: int = 1024,
         **_: Any,
     ) -> None:
         self.pool = pool or (self._deployment_id.name if self._deployment_id else "")
         self.prefix_weight, self.queue_weight, self.kv_weight = prefix_weight, queue_weight, kv_weight
         self.max_imbalance, self.block_chars = max_imbalance, block_chars
         self.index = PrefixIndex(max_indexed_blocks)
+        self.max_blocks_per_request = max_blocks_per_request
         self._seen_replicas = False
 
     async def choose_replicas(
@@ -222,7 +237,8 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
     def _hashes(self, pending_request: PendingRequest | None) -> list[bytes]:
         if pending_request is None or not pending_request.args:
             return []
-        return block_hashes(request_text(pending_request.args), self.block_chars)
+        blocks, chars = self.max_blocks_per_request, self.block_chars
+        return block_hashes(request_text(pending_request.args, blocks * chars), chars, blocks)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         """The replica now computes (and caches) this prompt: later requests sharing it should follow."""

@@ -84,7 +84,9 @@ class StoredResponses:
     async def _save(self, response: dict, conversation: list[dict], principal: Principal) -> None:
         record = {"owner": owner(principal), "response": response, "conversation": conversation}
         try:
-            await self.store.put.remote(response["id"], json.dumps(record, ensure_ascii=False))
+            await self.store.put.remote(
+                response["id"], json.dumps(record, ensure_ascii=False), principal.key_id
+            )
         except Exception:  # the answer is out or about to be: a store that failed loses only a follow-up
             logger.exception("could not store response %s", response["id"])
 

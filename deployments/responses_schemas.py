@@ -20,6 +20,9 @@ from pydantic import Discriminator, Field, Tag
 from deployments.openai_schemas import (
     MAX_MESSAGES,
     NAME_PATTERN,
+    Identifier,
+    Metadata,
+    Name,
     StructuredOutputs,
     _Lenient,
     _Request,
@@ -52,15 +55,15 @@ class InputMessage(_Lenient):
 
 class FunctionCallInput(_Lenient):
     type: Literal["function_call"]
-    call_id: str
-    name: str
+    call_id: Name
+    name: Name
     arguments: str
-    id: str | None = None
+    id: Name | None = None
 
 
 class FunctionCallOutputInput(_Lenient):
     type: Literal["function_call_output"]
-    call_id: str
+    call_id: Name
     output: str | list[InputText]
 
 
@@ -96,7 +99,7 @@ class FunctionTool(_Lenient):
 
 class ToolChoiceFunction(_Lenient):
     type: Literal["function"]
-    name: str
+    name: Name
 
 
 class FormatText(_Lenient):
@@ -148,12 +151,12 @@ class ResponsesRequest(_Request):
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None  # include_obfuscation: nothing to obfuscate here
     truncation: Literal["disabled"] | None = None  # "auto" would drop turns silently: refused
-    metadata: dict[str, str] | None = Field(None, max_length=16)
-    user: str | None = None
+    metadata: Metadata | None = None
+    user: Identifier | None = None
     # Accepted and ignored, as in chat.
-    service_tier: str | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
+    service_tier: Identifier | None = None
+    prompt_cache_key: Identifier | None = None
+    safety_identifier: Identifier | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's extension, as in chat (extra_body)
     # OpenAI's, refused by name when set (see UNSUPPORTED).
     background: bool | None = None

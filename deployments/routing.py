@@ -7,13 +7,21 @@ Which routes the gateway uses (`Router()` requires every route and fallback to n
   whose pool is missing is dropped, as are fallbacks to missing pools, and `default_route` moves to
   the first route left. If no route is left, `model: "auto"` answers 404 saying to write a `router`
   section; pools named directly still work (route `direct`).
+
+Rate limits are the cluster's, not each replica's: every gateway replica enforces its share of a
+tier's limits, `replica_tiers`: requests/min, tokens/min and the per-key concurrency cap divided by
+`gateway.num_replicas` (rounded up). Serve's proxy spreads a key's requests over the replicas, so a
+busy key gets about its tier's limit in all, with no remote call on the request path and no shared
+state to lose. The trade-off: a key whose few requests happen to land on one replica is refused
+there at 1/N of its limit while another replica still has budget for it (one replica: exact).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
-from cluster.config import ClusterConfig, RouteConfig, RouterConfig
+from cluster.config import ClusterConfig, RouteConfig, RouterConfig, TierConfig
 from router import PoolSpec, Router
 from router.errors import UnknownModelError
 from router.resolve import DIRECT_ROUTE
@@ -62,8 +70,22 @@ def effective_router_config(config: ClusterConfig) -> RouterConfig | None:
     return config.router.model_copy(update={"routes": routes, "default_route": default})
 
 
+def replica_tiers(tiers: list[TierConfig], replicas: int) -> list[TierConfig]:
+    """Each tier with the limits one of `replicas` gateway replicas enforces (see the module doc)."""
+    per_key = ("requests_per_minute", "tokens_per_minute", "max_concurrent_per_key")
+    return [
+        tier.model_copy(
+            update={
+                f: math.ceil(getattr(tier, f) / replicas) for f in per_key if getattr(tier, f) is not None
+            }
+        )
+        for tier in tiers
+    ]
+
+
 def build_router(config: ClusterConfig) -> Router:
     """Loads the semantic classifier (seconds) unless no route fits the pools."""
+    tiers = replica_tiers(config.tiers, config.gateway.num_replicas)
     routes = effective_router_config(config)
     specs = pool_specs(config)
     if routes is None:
@@ -73,6 +95,6 @@ def build_router(config: ClusterConfig) -> Router:
             default_route=DIRECT_ROUTE,
             dataset=None,
         )
-        return Router(direct, config.tiers, config.api_keys, specs, classifier=_NoRoutes())
+        return Router(direct, tiers, config.api_keys, specs, classifier=_NoRoutes())
     logger.info("routes: %s", {r.name: [r.pool, *r.fallbacks] for r in routes.routes})
-    return Router(routes, config.tiers, config.api_keys, specs)
+    return Router(routes, tiers, config.api_keys, specs)

@@ -16,7 +16,7 @@ from deployments.errors import OpenAIError, from_engine_value_error, invalid, un
 from deployments.openai_schemas import PromptTokensDetails, Usage
 from deployments.wire import FinalItem, RequestSummary, ResumeState, sse_error
 from engine import AsyncLLM, EngineDeadError, RequestOutput, Resumption, SamplingParams
-from engine.grammar_compiler import GrammarCompileService, GrammarTooComplex
+from engine.grammar_compiler import GrammarBusy, GrammarCompileService, GrammarTooComplex
 from engine.output_processor import resumed_text
 
 
@@ -67,6 +67,15 @@ class OpenAIServing:
             return
         try:
             await self.grammar.prepare(params.structured)
+        except GrammarBusy as e:
+            raise OpenAIError(
+                f"Too many requests with a grammar are being compiled by this model's replica ({e}); "
+                "retry shortly.",
+                status=429,
+                param=param,
+                code="grammar_queue_full",
+                retry_after=e.retry_after,
+            ) from None
         except ValueError as e:
             code = "grammar_too_complex" if isinstance(e, GrammarTooComplex) else "invalid_value"
             raise invalid(param, f"Invalid '{param}': {str(e).split(': ', 1)[-1]}", code) from None

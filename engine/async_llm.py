@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -50,6 +51,7 @@ class AsyncLLM:
         self._pending: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count()
         self._error: str | None = None
+        self._last_event = time.monotonic()  # when the core last reported anything: its progress
         # The core's thread must not keep this object alive: it gets a weak callback, and dropping the
         # AsyncLLM stops the core (thread or process) and releases its ranks through the finalizer.
         on_events = _weak_callback(self._on_events)
@@ -94,6 +96,8 @@ class AsyncLLM:
         request_id = request_id or uuid.uuid4().hex
         delta = sampling_params is not None and sampling_params.output_kind == RequestOutputKind.DELTA
         stream = RequestOutputCollector(asyncio.get_running_loop(), delta, self.config.stream_interval)
+        if not self._streams:  # an idle engine's silence so far is not a stall
+            self._last_event = time.monotonic()
         self._streams[request_id] = stream
         try:
             await self._call(AddRequest, request_id, prompt, sampling_params, priority, resume)
@@ -128,11 +132,19 @@ class AsyncLLM:
         return await self._call(RunInEngine, fn)
 
     async def check_health(self) -> None:
-        """Raise `EngineDeadError` if the engine loop stopped or a rank of its worker group died."""
+        """Raise `EngineDeadError` if the engine loop stopped, a rank of its worker group died, or the
+        engine is stuck: requests in flight and no event from the core for `iteration_timeout_s`.
+        A busy engine is slow, not stuck: each step it takes reports outputs."""
         if self._error is not None:
             raise EngineDeadError(self._error)
         if not self._core.is_alive():
             raise EngineDeadError("engine is shut down")
+        silent_s = time.monotonic() - self._last_event
+        if self._streams and silent_s > self.config.iteration_timeout_s:
+            raise EngineDeadError(
+                f"the engine produced nothing for {silent_s:.0f}s with {len(self._streams)} requests in "
+                f"flight (iteration_timeout_s = {self.config.iteration_timeout_s:g})"
+            )
         if self.engine is not None:
             await asyncio.to_thread(self.engine.check_health)
 
@@ -176,6 +188,7 @@ class AsyncLLM:
         """Called on the engine thread or the core process's reader thread. A pass's outputs reach each
         event loop in one callback, not one wake-up per request."""
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}
+        self._last_event = time.monotonic()
         for event in events:
             match event:
                 case Outputs(outputs):

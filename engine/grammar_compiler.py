@@ -15,8 +15,12 @@ engine deserializes (bounded by `MAX_COMPILED_BYTES`) instead of compiling.
 The bound: `GRAMMAR_TIMEOUT_S` per check and per compile, on one core of the worker; the text
 itself is at most `structured_output.MAX_GRAMMAR_CHARS`. `raylane bench grammar-bound`
 measures what a catastrophic grammar costs its caller and what the next grammar pays for a fresh
-worker. Calls wait their turn for the worker, so a client sending many costly grammars at once
-delays the next grammar by up to `GRAMMAR_TIMEOUT_S` per call queued ahead.
+worker. Calls wait their turn for the worker, each delaying the ones behind it by up to
+`GRAMMAR_TIMEOUT_S`, so the queue is bounded, in all (`max_pending`) and per API key
+(`max_pending_per_key`): a call that finds either full is refused at once with `GrammarBusy`
+(the gateway's 429 with Retry-After), never queued silently. So one key sending costly grammars
+delays another key's grammar by at most `max_pending_per_key` x `GRAMMAR_TIMEOUT_S`, and no call
+waits longer than `max_pending` x `GRAMMAR_TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -26,11 +30,15 @@ import logging
 import multiprocessing
 import multiprocessing.forkserver
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 GRAMMAR_TIMEOUT_S = 5.0  # one check or compile, CPU time of one core in the worker
+MAX_PENDING = 16  # calls queued or running in one worker, all keys
+MAX_PENDING_PER_KEY = 2  # of which one API key's
+POOL_MAX_PENDING = 64  # a pool's compile worker: the calls of all its gateways
 START_TIMEOUT_S = 180.0  # a cold forkserver imports torch + xgrammar: slow on a busy machine
 MAX_COMPILED_BYTES = 2 * 1024 * 1024  # serialized compiled grammar the engine loop may deserialize
 
@@ -41,6 +49,15 @@ logger = logging.getLogger(__name__)
 
 class GrammarTimeout(Exception):
     """The call did not finish within its limit; the worker that ran it was killed."""
+
+
+class GrammarBusy(Exception):
+    """The worker's queue (or the key's share of it) is full; `retry_after`: seconds until a place is
+    likely free."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class GrammarTooComplex(ValueError):
@@ -62,19 +79,52 @@ class BoundedWorker:
         initargs: tuple = (),
         timeout_s: float = GRAMMAR_TIMEOUT_S,
         preload: tuple[str, ...] = COMPILE_PRELOAD,
+        max_pending: int = MAX_PENDING,
+        max_pending_per_key: int = MAX_PENDING_PER_KEY,
     ):
-        """`preload`: modules the forkserver imports once (the first worker of the process sets it)."""
+        """`preload`: modules the forkserver imports once (the first worker of the process sets it).
+        `max_pending`, `max_pending_per_key`: calls queued or running at once, in all and per key."""
         self.initializer, self.initargs, self.timeout_s = initializer, initargs, timeout_s
         self.preload = preload
+        self.max_pending, self.max_pending_per_key = max_pending, max_pending_per_key
+        self.pending: dict[str, int] = {}  # calls queued or running per key (none: absent)
+        self._call_s: float | None = None  # smoothed time a call holds the worker
+        self._lock = threading.Lock()
         self._process = None
         self._conn = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-worker")
         self.restarts = 0  # workers killed for running past their limit
 
-    async def run(self, fn, *args, timeout_s: float | None = None) -> Any:
-        """`fn(*args)` in the worker; its exception is re-raised here; GrammarTimeout past the limit."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, self._call, fn, args, timeout_s or self.timeout_s)
+    async def run(self, fn, *args, timeout_s: float | None = None, key: str = "") -> Any:
+        """`fn(*args)` in the worker; its exception is re-raised here; GrammarTimeout past the limit;
+        GrammarBusy at once when the queue, or API key `key`'s share of it, is full. A call counts
+        until the worker is done with it, even if its caller went away (it still holds the worker)."""
+        with self._lock:
+            total, own = sum(self.pending.values()), self.pending.get(key, 0)
+            if total >= self.max_pending or own >= self.max_pending_per_key:
+                whose = "in all" if total >= self.max_pending else "for this API key"
+                held = total if total >= self.max_pending else own
+                raise GrammarBusy(
+                    f"{held} grammar checks are already queued {whose}, the most allowed",
+                    retry_after=held * (self._call_s or self.timeout_s),
+                )
+            self.pending[key] = own + 1
+        submitted = time.monotonic()
+
+        def done(_) -> None:  # in the worker's thread, or here if cancelled before it ran
+            with self._lock:
+                n = self.pending[key] - 1
+                if n:
+                    self.pending[key] = n
+                else:
+                    del self.pending[key]
+                # What a call ahead costs the ones behind it: its wait and run, over the calls it waited for.
+                cost = (time.monotonic() - submitted) / (total + 1)
+                self._call_s = cost if self._call_s is None else self._call_s + 0.2 * (cost - self._call_s)
+
+        future = self._thread.submit(self._call, fn, args, timeout_s or self.timeout_s)
+        future.add_done_callback(done)
+        return await asyncio.wrap_future(future)
 
     def _call(self, fn, args: tuple, timeout_s: float) -> Any:
         if self._process is None or not self._process.is_alive():
@@ -210,13 +260,21 @@ class GrammarCompileService:
 
     async def prepare(self, params) -> None:
         """Set `params.compiled` (a `StructuredOutputParams`); ValueError naming `structured.<kind>`
-        when it does not compile, is too large, or takes longer than the limit."""
+        when it does not compile, is too large, or takes longer than the limit; GrammarBusy when
+        `POOL_MAX_PENDING` compiles are queued already."""
         key = params.key()
         if (hit := self._cache.get(key)) is None:
             if self._worker is None:
                 info = await self._fetch()
                 if self._worker is None:  # another request may have made it meanwhile
-                    self._worker = BoundedWorker(_init_compiler, (info,), self.timeout_s)
+                    # Keys were bounded by the gateways; here only the total (pool calls carry no key).
+                    self._worker = BoundedWorker(
+                        _init_compiler,
+                        (info,),
+                        self.timeout_s,
+                        max_pending=POOL_MAX_PENDING,
+                        max_pending_per_key=POOL_MAX_PENDING,
+                    )
             try:
                 hit = await self._worker.run(compile_serialized, params)
             except GrammarTimeout:

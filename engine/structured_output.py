@@ -14,6 +14,7 @@ params with `check=False` skips the (unbounded) check for a caller that runs `va
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -61,7 +62,7 @@ class StructuredOutputParams:
             self.json_schema = _parse_schema(self.json_schema)
         elif not isinstance(getattr(self, kind), bool if kind == "json_object" else str):
             raise ValueError(f"structured.{kind}: wrong type {type(getattr(self, kind)).__name__}")
-        if (size := len(self.key()[1])) > MAX_GRAMMAR_CHARS:
+        if (size := len(self._text())) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"structured.{kind}: too large: {size} characters, at most {MAX_GRAMMAR_CHARS}")
         if self.check:
             self.validate()
@@ -82,11 +83,14 @@ class StructuredOutputParams:
         return next(f for f in _FIELDS if getattr(self, f) not in (None, False))
 
     def key(self) -> tuple[str, str, bool]:
-        """Cache key. Schema key order is kept: it fixes the order properties are generated in."""
-        kind = self.kind
-        value = getattr(self, kind)
-        text = json.dumps(value, separators=(",", ":")) if kind == "json_schema" else str(value)
-        return kind, text, self.whitespace_flexible
+        """Cache key: a 16-byte digest of the grammar's text, so the caches hold no client text."""
+        digest = hashlib.blake2b(self._text().encode("utf-8", "surrogatepass"), digest_size=16)
+        return self.kind, digest.hexdigest(), self.whitespace_flexible
+
+    def _text(self) -> str:
+        """The grammar as text. Schema key order is kept: it fixes the order properties are generated in."""
+        value = getattr(self, self.kind)
+        return json.dumps(value, separators=(",", ":")) if self.kind == "json_schema" else str(value)
 
     def _json_args(self) -> dict[str, Any]:
         return {"any_whitespace": self.whitespace_flexible} | (

@@ -3,13 +3,18 @@
 Plain Python (no Ray): the gateway owns one `Router` per replica and calls, per request,
 
     principal = router.authenticate(request.headers, client=request.client.host)   # 401
+    charge = router.check_rate(principal, estimate_tokens(body_bytes))             # 429 rate limit
+    router.charge_more(principal, charge, max_tokens * n)                          # 429, once parsed
     resolution = await router.resolve_async(body.model, messages)                  # 404 unknown model
-    plan = router.plan(principal, resolution, prompt_tokens=n)                     # 429 rate limit
+    plan = router.plan(principal, resolution, charge=charge)                       # (charges if no charge)
     slot = await plan.next_slot()                                                  # 429 busy / 503 / 400
     ... send to slot.pool with priority=plan.priority; on an error before the first token:
         slot.failed(); slot = await plan.next_slot()                               # fallback
     ... when the stream ends: slot.succeeded() (or slot.failed() / slot.abandoned())
-    response headers: plan.headers();  afterwards: router.record_usage(principal, generated_tokens)
+    response headers: plan.headers();  afterwards: plan.charge.settle(used_tokens)
+
+The rate limit comes first, before any work whose cost the client controls (parsing, the
+classifier, grammars): a key over its limit costs a bucket look-up.
 
 Every error raised is a `router.errors.RouterError` with `.status`, `.to_openai()` and `.headers()`.
 """
@@ -25,7 +30,7 @@ from router.classifier import RouteDecision, SemanticClassifier
 from router.dispatch import DispatchPlan, Slot
 from router.errors import RouterError
 from router.fallback import CircuitBreaker, CircuitState, FallbackChain, FallbackReason
-from router.rate_limit import RateLimiter
+from router.rate_limit import RateCharge, RateLimiter
 from router.resolve import ModelResolver, PoolSpec, Resolution
 from router.tiers import ApiKeyAuthenticator, Principal
 
@@ -34,6 +39,7 @@ __all__ = [
     "PoolSpec",
     "Principal",
     "Resolution",
+    "RateCharge",
     "RouteDecision",
     "Router",
     "RouterError",
@@ -95,10 +101,17 @@ class Router:
         return self.resolve(model, messages)
 
     def plan(
-        self, principal: Principal, resolution: Resolution, *, prompt_tokens: int | None = None
+        self,
+        principal: Principal,
+        resolution: Resolution,
+        *,
+        prompt_tokens: int | None = None,
+        charge: RateCharge | None = None,
     ) -> DispatchPlan:
-        """Charge the rate limit (RateLimitError, 429) and prepare the walk down the candidate pools."""
-        self.rate_limiter.check(principal.key_id, principal.tier, prompt_tokens or 0)
+        """Prepare the walk down the candidate pools. Without `charge` (the rate limit charged
+        earlier by `check_rate`), charge it now (RateLimitError, 429); with one, nothing twice."""
+        if charge is None:
+            charge = self.rate_limiter.check(principal.key_id, principal.tier, prompt_tokens or 0)
         chain = FallbackChain(
             resolution.pools,
             self.breakers,
@@ -106,15 +119,25 @@ class Router:
             fits=lambda pool: _fits(self.pools[pool], prompt_tokens),
         )
         deadline = self.admission.clock() + principal.tier.max_queue_wait_s
-        return DispatchPlan(resolution, principal, chain, self.admission, self.breakers, deadline)
+        return DispatchPlan(
+            resolution,
+            principal,
+            chain,
+            self.admission,
+            self.breakers,
+            deadline,
+            charge,
+            self.config.overflow,
+        )
 
-    def check_rate(self, principal: Principal, prompt_tokens: int = 0) -> None:
-        """Charge the rate limit of a request served without a pool (embeddings); 429 when over it."""
-        self.rate_limiter.check(principal.key_id, principal.tier, prompt_tokens)
+    def check_rate(self, principal: Principal, tokens: int = 0) -> RateCharge:
+        """Charge one request and `tokens` (an estimate) to the key's rate limits, or RateLimitError
+        (429) charging nothing. Settle the charge with the tokens used when the request ends."""
+        return self.rate_limiter.check(principal.key_id, principal.tier, tokens)
 
-    def record_usage(self, principal: Principal, generated_tokens: int) -> None:
-        """Count generated tokens against the key's tokens/min once the response is done."""
-        self.rate_limiter.charge_tokens(principal.key_id, principal.tier, generated_tokens)
+    def charge_more(self, principal: Principal, charge: RateCharge, tokens: int) -> None:
+        """Add `tokens` (what the request may generate: max_tokens x n) to its charge, or 429."""
+        self.rate_limiter.charge_more(charge, principal.key_id, principal.tier, tokens)
 
     def set_pool_healthy(self, pool: str, healthy: bool) -> None:
         """From the gateway's view of the pool's replicas: False = no healthy replica, skip it."""

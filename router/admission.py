@@ -15,6 +15,20 @@ its requests leaves the rest free for other tiers: premium traffic then gets a s
 of waiting for a sheddable request to finish. A waiter held back by its share lets the ones behind
 it pass.
 
+Within a tier, slots are shared fairly between API keys, and the sharing is work-conserving (as in
+llm-d's flow control and vLLM's scheduler, which never idle capacity that a request could use): a
+key alone may use everything its tier may, but when a slot frees, the waiter whose key holds the
+fewest slots of that pool goes first (then the key served least recently, then arrival). So a key
+flooding a pool holds every slot only while nobody else wants one; a second key of its tier gets
+the next slot that frees, and the two converge on half each (max-min fair). The gateway does not
+preempt, so the second key waits for one release: bounded by the tier's wait budget. Queue places
+are shared the same way: when a tier's queue (or the pool's) is full, an arrival takes the place of
+the newest waiter of the key with the most waiting, if that key has more waiting than the arrival's
+own key would. What is not work-conserving is the tier's hard `max_concurrent_per_key` (requests
+of one key held or waiting in all pools of this gateway replica, like a provider's concurrency
+limit): past it a request gets a 429 at once (`KeyConcurrencyError`), whatever is free; set it
+when a key must never hold more, e.g. so a slow key cannot fill a pool before others arrive.
+
 Retry-After is the estimated wait. For a tier that holds its whole share, that is rounds of its own
 slots times how long its own requests hold one: a flood of long sheddable requests is told to come
 back when a slot can be its own, rather than retrying in vain while premium traffic pays for each
@@ -34,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.config import TierConfig
-from router.errors import OverloadedError
+from router.errors import KeyConcurrencyError, OverloadedError
 
 SERVICE_TIME_SMOOTHING = 0.2  # weight of the newest request in the pool's mean service time
 MAX_RETRY_AFTER_S = 60.0  # OpenAI's SDKs honour a retry hint up to a minute, then back off on their own
@@ -47,6 +61,7 @@ class _Waiter:
     seq: int
     tier: TierConfig = field(compare=False)
     future: asyncio.Future = field(compare=False)
+    key: str = field(default="", compare=False)  # the API key's id: slots are shared fairly by key
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +77,10 @@ class _Pool:
     max_waiting: int
     in_flight: int = 0
     by_tier: dict[str, int] = field(default_factory=dict)  # slots held per tier name
+    by_key: dict[str, int] = field(default_factory=dict)  # slots held per key id (none held: absent)
+    # per key id with requests here: the grant count when it last got a slot (keys take turns)
+    last_grant: dict[str, int] = field(default_factory=dict)
+    grants: int = 0
     waiters: list[_Waiter] = field(default_factory=list)  # a heap
     service_s: float | None = None  # smoothed time a request holds a slot
     tier_service_s: dict[str, float] = field(default_factory=dict)  # the same, per tier name
@@ -72,8 +91,10 @@ class _Pool:
 class Ticket:
     """A held slot in a pool; `release()` frees it (idempotent)."""
 
-    def __init__(self, controller: "AdmissionController", pool: str, tier: TierConfig, waited_s: float):
-        self.pool, self.tier, self.waited_s = pool, tier, waited_s
+    def __init__(
+        self, controller: "AdmissionController", pool: str, tier: TierConfig, waited_s: float, key: str = ""
+    ):
+        self.pool, self.tier, self.waited_s, self.key = pool, tier, waited_s, key
         self._controller = controller
         self._granted_at = controller.clock()
         self.released = False
@@ -81,7 +102,9 @@ class Ticket:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self._controller._release(self.pool, self.tier, self._controller.clock() - self._granted_at)
+            self._controller._release(
+                self.pool, self.tier, self._controller.clock() - self._granted_at, key=self.key
+            )
 
 
 class AdmissionController:
@@ -89,6 +112,7 @@ class AdmissionController:
         self.clock = clock
         self._pools: dict[str, _Pool] = {}
         self._seq = itertools.count()
+        self._by_key: dict[str, int] = {}  # requests per key id held or waiting, all pools (none: absent)
 
     def add_pool(self, pool: str, capacity: int, max_waiting: int) -> None:
         self._pools[pool] = _Pool(capacity=capacity, max_waiting=max_waiting)
@@ -102,90 +126,131 @@ class AdmissionController:
         p = self._pools[pool]
         return PoolLoad(p.in_flight, len(p.waiters), p.capacity)
 
-    def try_acquire(self, pool: str, tier: TierConfig) -> Ticket | None:
+    def key_requests(self, key: str) -> int:
+        """Requests of `key` holding or waiting for a slot, in all pools."""
+        return self._by_key.get(key, 0)
+
+    def try_acquire(self, pool: str, tier: TierConfig, key: str = "") -> Ticket | None:
         """A slot now if the tier may take one, else None. (After every release the waiters that may
         take a slot have one, so a free slot here is not owed to anybody waiting.)"""
+        self._check_key_cap(pool, tier, key)
         p = self._pools[pool]
         if self._may_take(p, tier):
-            self._take(p, tier)
-            return Ticket(self, pool, tier, 0.0)
+            self._take(p, tier, key)
+            self._count_key(key, +1)
+            return Ticket(self, pool, tier, 0.0, key)
         return None
 
-    async def acquire(self, pool: str, tier: TierConfig, timeout: float | None = None) -> Ticket:
-        """A slot in `pool`, waiting in (priority, arrival) order for at most the tier's wait budget
-        (or `timeout`, if shorter). Raises OverloadedError with retry_after when it cannot."""
-        ticket = self.try_acquire(pool, tier)
+    async def acquire(
+        self, pool: str, tier: TierConfig, timeout: float | None = None, key: str = ""
+    ) -> Ticket:
+        """A slot in `pool` for a request of API key `key`, waiting in (priority, fewest slots held by
+        its key, arrival) order for at most the tier's wait budget (or `timeout`, if shorter). Raises
+        OverloadedError with retry_after when it cannot, KeyConcurrencyError past the key's cap."""
+        ticket = self.try_acquire(pool, tier, key)
         if ticket is not None:
             return ticket
         p = self._pools[pool]
         budget = tier.max_queue_wait_s if timeout is None else min(timeout, tier.max_queue_wait_s)
-        self._check_can_wait(pool, p, tier, budget)
-        waiter = _Waiter(tier.priority, next(self._seq), tier, asyncio.get_running_loop().create_future())
+        self._check_can_wait(pool, p, tier, budget, key)
+        waiter = _Waiter(
+            tier.priority, next(self._seq), tier, asyncio.get_running_loop().create_future(), key
+        )
         heapq.heappush(p.waiters, waiter)
+        self._count_key(key, +1)
         start = self.clock()
         try:
             await asyncio.wait_for(waiter.future, timeout=budget)
         except TimeoutError:
-            self._forget(p, waiter)
+            self._leave_queue(p, waiter)
             raise OverloadedError(
                 f"pool {pool!r} had no free slot within {budget:g}s (tier {tier.name!r})",
-                retry_after=self.retry_after(pool, tier),
+                retry_after=self.retry_after(pool, tier, key),
                 reason="wait_budget",
             ) from None
         except asyncio.CancelledError:
             if _granted(waiter.future):  # the slot came as the caller went away: give it back
-                self._release(pool, tier, 0.0, learn=False)
-            self._forget(p, waiter)
+                self._release(pool, tier, 0.0, learn=False, key=key)
+            else:
+                self._leave_queue(p, waiter)
             raise
-        return Ticket(self, pool, tier, self.clock() - start)
+        return Ticket(self, pool, tier, self.clock() - start, key)
 
-    def estimated_wait(self, pool: str, tier: TierConfig, returning: int = 0) -> float:
-        """Seconds a new request of `tier` would wait for `pool`, from the queue ahead of it (and
-        `returning` requests due back before it)."""
+    def estimated_wait(self, pool: str, tier: TierConfig, returning: int = 0, key: str = "") -> float:
+        """Seconds a new request of `tier` (and key `key`) would wait for `pool`, from the queue ahead
+        of it (and `returning` requests due back before it). Of the waiters of its own priority, another
+        key's count only up to one more than its own key's: they take turns."""
         p = self._pools[pool]
         if self._may_take(p, tier):
             return 0.0
-        ahead = returning + sum(1 for w in p.waiters if w.priority <= tier.priority)
+        same: dict[str, int] = {}
+        ahead = returning
+        for w in p.waiters:
+            if w.priority < tier.priority:
+                ahead += 1
+            elif w.priority == tier.priority:
+                same[w.key] = same.get(w.key, 0) + 1
+        own = same.pop(key, 0)
+        ahead += own + sum(min(n, own + 1) for n in same.values())
         slots, service = p.capacity, None  # the pool is full: any holder's slot will do
         if p.by_tier.get(tier.name, 0) >= _share(p, tier):  # only its own requests' slots will do
             slots, service = _share(p, tier), p.tier_service_s.get(tier.name)
         rounds = ahead // max(slots, 1) + 1  # slots free up `slots` at a time
         return rounds * (service or p.service_s or 1.0)
 
-    def retry_after(self, pool: str, tier: TierConfig) -> float:
-        """When a request of `tier` turned away from `pool` should come back: the wait with the
-        clients already told to come back (of this tier or one served before it) ahead of it. The
-        answer is remembered as one more client coming back."""
+    def retry_after(self, pool: str, tier: TierConfig, key: str = "") -> float:
+        """When a request of `tier` (and key `key`) turned away from `pool` should come back: the wait
+        with the clients already told to come back (of this tier or one served before it) ahead of
+        it. The answer is remembered as one more client coming back."""
         p, now = self._pools[pool], self.clock()
         returning = 0
         for priority, due in p.returning.values():
             while due and due[0] <= now:
                 heapq.heappop(due)
             returning += len(due) if priority <= tier.priority else 0
-        wait = min(self.estimated_wait(pool, tier, returning), MAX_RETRY_AFTER_S)
+        wait = min(self.estimated_wait(pool, tier, returning, key), MAX_RETRY_AFTER_S)
         due = p.returning.setdefault(tier.name, (tier.priority, []))[1]
         if len(due) < MAX_RETURNING:
             heapq.heappush(due, now + wait)
         return wait
 
-    def _check_can_wait(self, pool: str, p: _Pool, tier: TierConfig, budget: float) -> None:
+    def _check_key_cap(self, pool: str, tier: TierConfig, key: str) -> None:
+        cap = tier.max_concurrent_per_key
+        if cap is not None and self._by_key.get(key, 0) >= cap:
+            p = self._pools[pool]
+            raise KeyConcurrencyError(
+                f"this API key already has {cap} requests in flight, the most tier {tier.name!r} allows "
+                "at once; retry when one has finished",
+                retry_after=p.tier_service_s.get(tier.name) or p.service_s or 1.0,
+            )
+
+    def _count_key(self, key: str, delta: int) -> None:
+        n = self._by_key.get(key, 0) + delta
+        if n > 0:
+            self._by_key[key] = n
+        else:
+            self._by_key.pop(key, None)  # bounded by the keys with requests here, not all keys seen
+
+    def _check_can_wait(self, pool: str, p: _Pool, tier: TierConfig, budget: float, key: str = "") -> None:
         same_tier = sum(1 for w in p.waiters if w.tier.name == tier.name)
-        if same_tier >= tier.max_queue_depth:
+        if same_tier >= tier.max_queue_depth and not self._shed_hog(pool, p, tier, key):
             raise OverloadedError(
                 f"pool {pool!r} is busy and tier {tier.name!r} already has {same_tier} requests waiting",
-                retry_after=self.retry_after(pool, tier),
+                retry_after=self.retry_after(pool, tier, key),
                 reason="queue_depth",
             )
-        if p.service_s is not None and self.estimated_wait(pool, tier) > budget:
+        if p.service_s is not None and self.estimated_wait(pool, tier, key=key) > budget:
             raise OverloadedError(
                 f"pool {pool!r} is busy: the wait would exceed tier {tier.name!r}'s {budget:g}s",
-                retry_after=self.retry_after(pool, tier),
+                retry_after=self.retry_after(pool, tier, key),
                 reason="wait_budget",
             )
-        if len(p.waiters) >= p.max_waiting and not self._shed_for(pool, p, tier):
+        if len(p.waiters) >= p.max_waiting and not (
+            self._shed_for(pool, p, tier) or self._shed_hog(pool, p, tier, key)
+        ):
             raise OverloadedError(
                 f"pool {pool!r} is busy and its queue is full",
-                retry_after=self.retry_after(pool, tier),
+                retry_after=self.retry_after(pool, tier, key),
                 reason="queue_full",
             )
 
@@ -195,55 +260,90 @@ class AdmissionController:
         if not victims:
             return False
         victim = max(victims, key=lambda w: (w.priority, w.seq))
-        self._forget(p, victim)
+        self._shed(pool, p, victim, "request shed for higher-priority traffic")
+        return True
+
+    def _shed_hog(self, pool: str, p: _Pool, tier: TierConfig, key: str) -> bool:
+        """Drop the newest waiter of the tier's key with the most waiting, if it has more waiting than
+        `key` would with one more; False if none. One key cannot keep the tier's queue to itself."""
+        counts: dict[str, int] = {}
+        for w in p.waiters:
+            if w.tier.name == tier.name:
+                counts[w.key] = counts.get(w.key, 0) + 1
+        if not counts:
+            return False
+        hog = max(counts, key=counts.__getitem__)
+        if counts[hog] <= counts.get(key, 0) + 1:
+            return False
+        victim = max((w for w in p.waiters if w.tier.name == tier.name and w.key == hog), key=lambda w: w.seq)
+        self._shed(pool, p, victim, "request shed: its API key holds more of the queue than its share")
+        return True
+
+    def _shed(self, pool: str, p: _Pool, victim: _Waiter, why: str) -> None:
+        self._leave_queue(p, victim)
         victim.future.set_exception(
             OverloadedError(
-                f"pool {pool!r} is busy: request shed for higher-priority traffic",
-                retry_after=self.retry_after(pool, victim.tier),
+                f"pool {pool!r} is busy: {why}",
+                retry_after=self.retry_after(pool, victim.tier, victim.key),
                 reason="shed",
             )
         )
-        return True
 
     @staticmethod
     def _may_take(p: _Pool, tier: TierConfig) -> bool:
         return p.in_flight < p.capacity and p.by_tier.get(tier.name, 0) < _share(p, tier)
 
     @staticmethod
-    def _take(p: _Pool, tier: TierConfig) -> None:
+    def _take(p: _Pool, tier: TierConfig, key: str) -> None:
         p.in_flight += 1
         p.by_tier[tier.name] = p.by_tier.get(tier.name, 0) + 1
+        p.by_key[key] = p.by_key.get(key, 0) + 1
 
-    def _release(self, pool: str, tier: TierConfig, held_s: float, learn: bool = True) -> None:
+    def _release(self, pool: str, tier: TierConfig, held_s: float, learn: bool = True, key: str = "") -> None:
         p = self._pools[pool]
         p.in_flight -= 1
         p.by_tier[tier.name] -= 1
+        p.by_key[key] -= 1
+        if not p.by_key[key]:
+            del p.by_key[key]
+        self._count_key(key, -1)
         if learn:
             p.service_s = _smoothed(p.service_s, held_s)
             p.tier_service_s[tier.name] = _smoothed(p.tier_service_s.get(tier.name), held_s)
         self._dispatch(p)
 
     def _dispatch(self, p: _Pool) -> None:
-        """Grant free slots to waiters in (priority, arrival) order, passing over those whose tier
-        holds its whole share."""
+        """Grant free slots to waiters in (priority, slots its key holds here, when its key last got
+        one, arrival) order, passing over those whose tier holds its whole share. Each grant changes
+        its key's standing, so the next is chosen afresh: keys of one priority take turns."""
         if not p.waiters or p.in_flight >= p.capacity:
             return
-        kept = []
-        for waiter in sorted(p.waiters):
-            if waiter.future.done():  # timed out or cancelled, being cleaned up by its task
-                continue
-            if self._may_take(p, waiter.tier):
-                self._take(p, waiter.tier)
-                waiter.future.set_result(None)
-            else:
-                kept.append(waiter)
+        kept = list(p.waiters)  # a done one (timed out or cancelled) is removed by its own task
+        while p.in_flight < p.capacity:
+            eligible = [w for w in kept if not w.future.done() and self._may_take(p, w.tier)]
+            if not eligible:
+                break
+            waiter = min(
+                eligible,
+                key=lambda w: (w.priority, p.by_key.get(w.key, 0), p.last_grant.get(w.key, -1), w.seq),
+            )
+            kept.remove(waiter)
+            self._take(p, waiter.tier, waiter.key)
+            p.grants += 1
+            p.last_grant[waiter.key] = p.grants
+            waiter.future.set_result(None)
+        kept.sort()
         p.waiters = kept  # sorted, hence a heap
+        if len(p.last_grant) > len(p.by_key) + len(kept):  # keys gone quiet: a fresh start next time
+            active = set(p.by_key) | {w.key for w in kept}
+            p.last_grant = {k: n for k, n in p.last_grant.items() if k in active}
 
-    @staticmethod
-    def _forget(p: _Pool, waiter: _Waiter) -> None:
+    def _leave_queue(self, p: _Pool, waiter: _Waiter) -> None:
+        """A waiter leaves without a slot (timed out, cancelled, shed)."""
         if waiter in p.waiters:
             p.waiters.remove(waiter)
             heapq.heapify(p.waiters)
+            self._count_key(waiter.key, -1)
 
 
 def _share(p: _Pool, tier: TierConfig) -> int:

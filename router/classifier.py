@@ -18,7 +18,6 @@ rules, checked first on the latest user turn, decide outright when exactly one r
 
 import hashlib
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from cluster.config import BUILTIN_DATASET, FOLLOWUP_LABEL, RouterConfig
 from router.dataset import FOLLOWUPS_PATH, TRAIN_PATH, read_labelled, read_lines
 from router.encoder import SentenceEncoder
 from router.ngrams import ngram_features, opening_features
+from router.rules import RouteRules, rule_window
 from router.softmax import SoftmaxRegression
 
 # Weaker than SoftmaxRegression's default: a sparse n-gram (`sql`, `fonction`) seen in a few prompts
@@ -71,12 +71,23 @@ def message_text(content: Any) -> str:
 
 
 def split_conversation(messages: list[dict]) -> Conversation:
-    system = [message_text(m.get("content")) for m in messages if m.get("role") in ("system", "developer")]
-    users = [message_text(m.get("content")) for m in messages if m.get("role") == "user"]
-    users = [u for u in users if u.strip()]
+    """The conversation's parts, each text cut to its `rule_window`: nothing after this reads more
+    of a multi-megabyte message than its head and tail."""
+    system = [_bounded(m.get("content")) for m in messages if m.get("role") in ("system", "developer")]
+    users = [_bounded(m.get("content")) for m in messages if m.get("role") == "user"]
+    users = [u for u in users if _has_text(u)]
+    system = [s for s in system if _has_text(s)]
     if not users:  # a prompt of only a system message (or a completion prompt passed as one)
-        return Conversation(latest_user="\n".join(s for s in system if s.strip()))
-    return Conversation(users[-1], "\n".join(s for s in system if s.strip()), tuple(reversed(users[:-1])))
+        return Conversation(latest_user="\n".join(system))
+    return Conversation(users[-1], "\n".join(system), tuple(reversed(users[:-1])))
+
+
+def _bounded(content: Any) -> str:
+    return rule_window(message_text(content))
+
+
+def _has_text(text: str) -> bool:
+    return bool(text) and not text.isspace()
 
 
 class SemanticClassifier:
@@ -84,7 +95,7 @@ class SemanticClassifier:
         self.config = config
         self.routes = [r.name for r in config.routes]
         self._pools = {r.name: r.pool for r in config.routes}
-        self._rules = {r.name: _compile_rules(r.keywords, r.regex) for r in config.routes}
+        self._rules = {r.name: RouteRules(r.keywords, r.regex) for r in config.routes}
         self.encoder = encoder or SentenceEncoder(config.max_tokens, config.quantize)
         texts, labels = self._training_set()
         vectors = np.hstack([training_embeddings(self.encoder, texts), ngram_features(texts)])
@@ -100,10 +111,12 @@ class SemanticClassifier:
 
     def classify_text(self, text: str) -> RouteDecision:
         """Decide the route of a bare prompt (a completion request, or one user turn)."""
-        return self.classify_conversation(Conversation(latest_user=text))
+        return self.classify_conversation(Conversation(latest_user=rule_window(text)))
 
     def classify_conversation(self, conversation: Conversation) -> RouteDecision:
-        if not conversation.latest_user.strip():
+        """Decide the route of a conversation whose texts are already cut to their `rule_window`
+        (`split_conversation` does it)."""
+        if not _has_text(conversation.latest_user):
             return self._decision(self.config.default_route, 0.0, "default", {})
         ruled = self._rule_match(conversation.latest_user)
         if ruled is not None:
@@ -154,7 +167,7 @@ class SemanticClassifier:
         return np.hstack([self.encoder.encode(texts), ngram_features(texts)])
 
     def _rule_match(self, text: str) -> str | None:
-        matched = [route for route, rules in self._rules.items() if any(r.search(text) for r in rules)]
+        matched = [route for route, rules in self._rules.items() if rules and rules.matches(text)]
         return matched[0] if len(matched) == 1 else None
 
     def _decision(self, route: str, confidence: float, method: str, scores: dict) -> RouteDecision:
@@ -186,11 +199,6 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
 def _logit(p: float) -> float:
     p = min(max(float(p), 1e-6), 1 - 1e-6)
     return float(np.log(p / (1 - p)))
-
-
-def _compile_rules(keywords: list[str], patterns: list[str]) -> list[re.Pattern]:
-    rules = [re.compile(rf"(?<!\w){re.escape(k)}(?!\w)", re.IGNORECASE) for k in keywords]
-    return rules + [re.compile(p, re.MULTILINE) for p in patterns]
 
 
 def cache_dir() -> Path:

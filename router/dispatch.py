@@ -2,10 +2,10 @@
 
 `DispatchPlan.next_slot()` walks the fallback chain: it skips pools that cannot serve (unhealthy,
 circuit open, prompt too long), takes a slot in the first that can (waiting in priority order if
-it is full and the tier's budget allows), and falls through to the next pool when that one is
-saturated beyond the budget. The caller reports how the request went on the `Slot`; after a
-failure before the first token it may call `next_slot()` again to fall back. All waits together
-stay within the tier's `max_queue_wait_s`.
+it is full and the tier's budget allows); a pool saturated beyond the budget is a 429, or, with
+`router.overflow`, falls through to the next pool. The caller reports how the request went on the
+`Slot`; after a failure before the first token it may call `next_slot()` again to fall back. All
+waits together stay within the tier's `max_queue_wait_s`.
 """
 
 from collections.abc import Callable
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from router.admission import AdmissionController, Ticket
 from router.errors import ContextLengthError, NoPoolAvailableError, OverloadedError
 from router.fallback import CircuitBreaker, FallbackChain, FallbackReason
+from router.rate_limit import RateCharge
 from router.resolve import Resolution
 from router.tiers import Principal
 
@@ -93,6 +94,8 @@ class DispatchPlan:
     admission: AdmissionController
     breakers: dict[str, CircuitBreaker]
     deadline: float  # admission clock time by which a slot must be held
+    charge: RateCharge  # the rate limit's up-front charge: settle it with the tokens used
+    overflow: bool = False  # a saturated pool hands the request to the next one (else 429)
     pool: str | None = None  # the pool of the latest slot
     _overloads: list[OverloadedError] = field(default_factory=list)
 
@@ -107,9 +110,13 @@ class DispatchPlan:
         while (pool := self.chain.next_pool()) is not None:
             try:
                 remaining = max(0.0, self.deadline - self.admission.clock())
-                ticket = await self.admission.acquire(pool, tier, timeout=remaining)
+                ticket = await self.admission.acquire(
+                    pool, tier, timeout=remaining, key=self.principal.key_id
+                )
             except OverloadedError as e:
                 self.breakers[pool].release_probe()
+                if not self.overflow:
+                    raise  # busy is not broken: the client waits its Retry-After, other pools keep theirs
                 self.chain.leave(FallbackReason.SATURATED)
                 self._overloads.append(e)
                 continue

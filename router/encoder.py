@@ -7,10 +7,13 @@ exact vectors /v1/embeddings returns, so it keeps its own copy of the packaged M
   request is usually stated at the start (then a paste) or at the end (after a paste);
 - quantizes the linear layers to int8 (faster on CPU, same routing accuracy; `raylane bench router`
   times the classifier);
-- caches embeddings by text, since a conversation resends its system prompt and earlier turns.
+- caches embeddings, since a conversation resends its system prompt and earlier turns; keyed by a
+  16-byte digest of the characters it reads (`model_input`), so the cache keeps no client text and
+  its keys are of one size, whatever the client sends.
 Pooling and normalisation are the sentence-transformers model's: mean over tokens, unit length.
 """
 
+import hashlib
 import threading
 import warnings
 from collections import OrderedDict
@@ -38,7 +41,7 @@ class SentenceEncoder:
         self._model = _quantized(model) if quantize else model
         self.quantized = self._model is not model
         self._torch = torch
-        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()  # text_key(text) -> vector
         self._cache_size = cache_size
         self._lock = threading.Lock()  # one forward at a time; the cache is shared state
 
@@ -57,34 +60,42 @@ class SentenceEncoder:
 
     def encode(self, texts: list[str], batch_size: int = 32) -> np.ndarray:
         """[len(texts), dim] float32 unit vectors."""
+        inputs = [self.model_input(t) for t in texts]
+        keys = [text_key(t) for t in inputs]
         with self._lock:
-            known = {t: self._cache[t] for t in texts if t in self._cache}
-            missing = {t: self.token_ids(t) for t in texts if t not in known}
-            by_length = sorted(missing, key=lambda t: len(missing[t]))  # batches of similar length pad less
+            known = {k: self._cache[k] for k in keys if k in self._cache}
+            missing = {k: self._token_ids(t) for k, t in zip(keys, inputs, strict=True) if k not in known}
+            by_length = sorted(missing, key=lambda k: len(missing[k]))  # batches of similar length pad less
             for start in range(0, len(by_length), batch_size):
                 batch = by_length[start : start + batch_size]
-                vectors = self._forward([missing[t] for t in batch])
+                vectors = self._forward([missing[k] for k in batch])
                 known.update(zip(batch, vectors, strict=True))
-            for text in texts:
-                self._remember(text, known[text])
-            return np.stack([known[t] for t in texts]) if texts else np.zeros((0, self.dim), np.float32)
+            for key in keys:
+                self._remember(key, known[key])
+            return np.stack([known[k] for k in keys]) if texts else np.zeros((0, self.dim), np.float32)
 
     def remember(self, texts: list[str], vectors: np.ndarray) -> None:
         """Seed the cache with embeddings computed earlier (e.g. loaded from disk)."""
         with self._lock:
             for text, vector in zip(texts, vectors, strict=True):
-                self._remember(text, vector)
+                self._remember(text_key(self.model_input(text)), vector)
 
     def count_tokens(self, text: str) -> int:
         """Word pieces of the whole text with [CLS] and [SEP], before the classifier's cut."""
         return len(self._tokenizer.encode(text).ids)
 
+    def model_input(self, text: str) -> str:
+        """The characters of `text` the model reads: all of a short text, the head and tail of a long one.
+        Word pieces average 3-5 characters, even in code: 6 a token skips tokenizing a huge paste."""
+        chars = (self.max_tokens - 2) * 6
+        return text if len(text) <= 2 * chars else text[:chars] + "\n" + text[-chars:]
+
     def token_ids(self, text: str) -> list[int]:
         """[CLS] head ... tail [SEP], at most max_tokens ids."""
+        return self._token_ids(self.model_input(text))
+
+    def _token_ids(self, text: str) -> list[int]:
         budget = self.max_tokens - 2
-        chars = budget * 6  # word pieces average 3-5 characters, even in code: skips tokenizing a huge paste
-        if len(text) > 2 * chars:
-            text = text[:chars] + "\n" + text[-chars:]
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         if len(ids) > budget:
             head = budget - budget // 2
@@ -105,11 +116,17 @@ class SentenceEncoder:
             pooled = summed / mask.sum(1, keepdim=True)
             return torch.nn.functional.normalize(pooled, dim=-1).numpy().astype(np.float32)
 
-    def _remember(self, text: str, vector: np.ndarray) -> None:
-        self._cache[text] = vector
-        self._cache.move_to_end(text)
+    def _remember(self, key: bytes, vector: np.ndarray) -> None:
+        self._cache[key] = vector
+        self._cache.move_to_end(key)
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
+
+
+def text_key(text: str) -> bytes:
+    """A cache key of one size for any text: its 16-byte BLAKE2b digest. "surrogatepass" because the
+    training set is the project's text, and a client's was checked for lone surrogates at the gateway."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def _quantized(model):

@@ -53,6 +53,12 @@ class RateLimitError(RouterError):
     jitter = 0.0  # one key's own budget refills at a known time: no herd to spread
 
 
+class KeyConcurrencyError(RateLimitError):
+    """The key has as many requests held or waiting as its tier's `max_concurrent_per_key`."""
+
+    code = "concurrency_limit_exceeded"
+
+
 class OverloadedError(RouterError):
     """A pool is saturated beyond what the tier may wait; `reason` says how (for metrics and logs):
     queue_depth, wait_budget, queue_full or shed."""

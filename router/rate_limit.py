@@ -1,16 +1,20 @@
 """Requests/min and tokens/min per API key, as token buckets that say when to retry.
 
 Each principal has a bucket per limit its tier sets, holding up to one minute's allowance and
-refilling continuously. A request needs one request token and its prompt tokens up front; the
-tokens it generates are charged when it finishes and may push the bucket below zero, so the
-key's next request waits for them. Buckets of keys not seen lately are dropped beyond
-`max_principals`, so open mode with many client addresses stays bounded in memory.
+refilling continuously. A request is charged up front, before any costly work is done for it: one
+request token and an estimate of its tokens (the gateway's: the body's bytes / 4 for the prompt,
+then `max_tokens` x `n` once the body is parsed). The `RateCharge` it gets is settled when the
+request ends with the tokens it really used: the difference is refunded, or charged, which may push
+the bucket below zero, so the key's next request waits for it. A request that ends without an
+answer (a 4xx, a 429 from a busy pool) is settled with nothing used: only its request token stays.
+Buckets of keys not seen lately are dropped beyond `max_principals`, so open mode with many client
+addresses stays bounded in memory.
 """
 
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cluster.config import TierConfig
 from router.errors import RateLimitError
@@ -36,8 +40,29 @@ class TokenBucket:
         missing = min(amount, self.capacity) - self.level
         return max(0.0, missing / self.per_second)
 
-    def take(self, amount: float) -> None:
-        self.level -= min(amount, self.capacity)
+    def take(self, amount: float) -> float:
+        """Take `amount` (capped at capacity); what was taken."""
+        taken = min(amount, self.capacity)
+        self.level -= taken
+        return taken
+
+
+@dataclass(slots=True)
+class RateCharge:
+    """Tokens charged up front to one key's tokens/min bucket, to be settled with the real usage."""
+
+    bucket: TokenBucket | None  # None: the tier has no tokens/min limit
+    tokens: float = 0.0  # charged so far
+    settled: bool = field(default=False)
+
+    def settle(self, used_tokens: int) -> None:
+        """The request is over and used `used_tokens`: refund what was charged beyond that, or charge
+        the rest (debt the key's next requests wait for). Only the first call counts."""
+        if self.settled:
+            return
+        self.settled = True
+        if self.bucket is not None:
+            self.bucket.level = min(self.bucket.capacity, self.bucket.level + self.tokens - used_tokens)
 
 
 class RateLimiter:
@@ -46,14 +71,37 @@ class RateLimiter:
         self._max = max_principals
         self._buckets: OrderedDict[tuple[str, str], dict[str, TokenBucket]] = OrderedDict()
 
-    def check(self, key_id: str, tier: TierConfig, prompt_tokens: int = 0) -> None:
-        """Take one request and `prompt_tokens`, or raise RateLimitError with retry_after, taking nothing."""
+    def check(self, key_id: str, tier: TierConfig, tokens: int = 0) -> RateCharge:
+        """Take one request and `tokens` (the request's estimate), or raise RateLimitError with
+        retry_after, taking nothing. The charge is to be settled when the request ends."""
         buckets = self._buckets_of(key_id, tier)
         waits = {}
         if "requests" in buckets:
             waits["requests"] = buckets["requests"].wait_for(1)
         if "tokens" in buckets:
-            waits["tokens"] = buckets["tokens"].wait_for(prompt_tokens)
+            waits["tokens"] = buckets["tokens"].wait_for(tokens)
+        self._raise_if_limited(tier, waits)
+        if "requests" in buckets:
+            buckets["requests"].take(1)
+        charge = RateCharge(buckets.get("tokens"))
+        if charge.bucket is not None:
+            charge.tokens = charge.bucket.take(tokens)
+        return charge
+
+    def charge_more(self, charge: RateCharge, key_id: str, tier: TierConfig, tokens: int) -> None:
+        """Add `tokens` to an up-front charge (what the request may generate, once known), or raise
+        RateLimitError taking nothing more."""
+        if charge.bucket is None or charge.settled:
+            return
+        self._buckets_of(key_id, tier)  # refilled to now
+        # One request's whole charge is capped at the bucket's capacity, as in `check`, so that any
+        # request can pass once the bucket is full.
+        more = min(float(tokens), max(0.0, charge.bucket.capacity - charge.tokens))
+        self._raise_if_limited(tier, {"tokens": charge.bucket.wait_for(more) if more else 0.0})
+        charge.tokens += charge.bucket.take(more)
+
+    @staticmethod
+    def _raise_if_limited(tier: TierConfig, waits: dict[str, float]) -> None:
         limited = {name: w for name, w in waits.items() if w > 0}
         if limited:
             which = " and ".join(f"{name}/min" for name in limited)
@@ -61,16 +109,6 @@ class RateLimiter:
                 f"rate limit of tier {tier.name!r} reached ({which}); retry later",
                 retry_after=max(limited.values()),
             )
-        if "requests" in buckets:
-            buckets["requests"].take(1)
-        if "tokens" in buckets:
-            buckets["tokens"].take(prompt_tokens)
-
-    def charge_tokens(self, key_id: str, tier: TierConfig, tokens: int) -> None:
-        """Generated tokens, counted once known; may leave the bucket in debt."""
-        bucket = self._buckets_of(key_id, tier).get("tokens")
-        if bucket is not None:
-            bucket.level -= tokens
 
     def _buckets_of(self, key_id: str, tier: TierConfig) -> dict[str, TokenBucket]:
         now = self._clock()

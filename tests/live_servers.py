@@ -90,6 +90,7 @@ def client(api_server):
 ROUTER_APP = "raylane-router"
 ROUTER_PREFIX = "/router"
 ROUTER_KEYS = {"premium": "premium-key", "standard": "standard-key", "free": "free-key"}
+LIMITED_KEY = "limited-key"  # tier `limited`: one request a minute (the rate limit's own tests)
 
 
 @dataclass
@@ -113,8 +114,9 @@ class RouterServer:
 
 def make_router_config(demo_models: dict, port: int):
     """Three pools of the demo Llama: `coding` (falls back to chat), `reasoning` with a 64-token
-    context (falls back to chat) and `chat` (one request at a time, no fallback); three keyed tiers,
-    `free` sheddable with no queue; a circuit breaker that opens after 2 failures for 2 s."""
+    context (falls back to chat) and `chat` (one request at a time, no fallback); four keyed tiers,
+    `free` sheddable with no queue, `limited` one request a minute; a circuit breaker that opens
+    after 2 failures for 2 s."""
     from cluster.config import ClusterConfig, default_routes
 
     llama = str(demo_models["raylane-llama-tiny"])
@@ -138,8 +140,9 @@ def make_router_config(demo_models: dict, port: int):
                 {"name": "premium", "priority": 0, **wait},
                 {"name": "standard", "priority": 1, **wait},
                 free,
+                {"name": "limited", "priority": 1, "requests_per_minute": 1, **wait},
             ],
-            "api_keys": {"keys": {key: tier for tier, key in ROUTER_KEYS.items()}},
+            "api_keys": {"keys": {key: tier for tier, key in ROUTER_KEYS.items()} | {LIMITED_KEY: "limited"}},
         }
     )
 

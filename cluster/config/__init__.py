@@ -40,6 +40,7 @@ from cluster.config.router import (
     RouterConfig,
     TierConfig,
     Tiers,
+    compile_route_regex,
     default_routes,
     default_tiers,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "CircuitBreakerConfig",
     "ClusterConfig",
     "ConfigError",
+    "compile_route_regex",
     "ConversationWeights",
     "EmbeddingsConfig",
     "EngineConfig",

@@ -62,8 +62,14 @@ class GatewayConfig(StrictModel):
     pool_health_period_s: float = Field(
         5.0,
         gt=0,
-        description="Seconds between the gateway's checks of each pool; a pool that does not "
-        "answer is skipped (its route falls back) until it answers again.",
+        description="Seconds between the gateway's checks of each pool. A pool is down (skipped; its "
+        "route falls back) only when Ray and Serve have no live replica of it: one too busy to answer "
+        "in time is `busy` and keeps its traffic.",
+    )
+    metrics_require_key: bool = Field(
+        False,
+        description="/metrics asks for an API key, as the API does (with keys configured); false: open "
+        "to any scraper that reaches the port.",
     )
     drain_timeout_s: float = Field(
         30.0,
@@ -71,11 +77,24 @@ class GatewayConfig(StrictModel):
         description="On shutdown (`raylane serve` stopped), how long requests in flight may finish while "
         "new ones get 503 with Retry-After.",
     )
+    stream_write_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Longest one write of a stream to the client may wait for the client to read; past "
+        "it the request is aborted and its pool slot released (where the server applies backpressure; "
+        "see deployments/relay.py).",
+    )
     responses_max_stored: int = Field(
         10_000,
         ge=1,
         description="Most responses `/v1/responses` keeps (`store: true`, the default) for "
         "`previous_response_id`, GET and DELETE; the oldest are dropped first.",
+    )
+    responses_max_stored_per_key: int = Field(
+        1_000,
+        ge=1,
+        description="Most stored responses of one API key (open mode: one client address); past it the "
+        "key's own oldest go, so one key cannot push out another's.",
     )
     responses_ttl_s: float = Field(
         3600.0, gt=0, description="How long a stored response is kept, in seconds."

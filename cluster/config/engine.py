@@ -102,6 +102,13 @@ class EngineConfig(StrictModel):
         "flash_varlen attention backend only; never on CPU).",
     )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
+    iteration_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="The engine counts as stuck (its health check fails, so Serve replaces the replica) when "
+        "it has requests in flight and has produced no output for this long (vLLM's "
+        "VLLM_ENGINE_ITERATION_TIMEOUT_S). Load only slows steps; a hung rank or core stops them.",
+    )
     stream_interval: int = Field(
         1,
         ge=1,

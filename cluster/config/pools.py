@@ -94,6 +94,12 @@ class ReplicaRoutingConfig(StrictModel):
     max_indexed_blocks: int = Field(
         65536, ge=1, description="Prompt blocks remembered per replica (least recently routed forgotten)."
     )
+    max_blocks_per_request: int = Field(
+        1024,
+        ge=1,
+        description="Leading prompt blocks hashed and remembered per request: the work and the index room "
+        "one request takes, whatever its length (1024 blocks of 64 characters: the first 64 KiB).",
+    )
     stats_period_s: float = Field(
         2.0, gt=0, description="How often Serve asks each replica for its KV usage (routing stats)."
     )

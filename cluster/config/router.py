@@ -6,11 +6,11 @@ working development setup: three routes (coding, reasoning, chat) to pools of th
 three tiers (premium, standard, free) and no API keys (open mode).
 """
 
-import re
 from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated
 
+import re2
 from pydantic import AfterValidator, Field, SecretStr, field_validator, model_validator
 
 from cluster.config.base import StrictModel
@@ -18,6 +18,15 @@ from cluster.config.base import StrictModel
 AUTO_MODELS = ("auto", "raylane-auto")  # model names that ask the semantic classifier to choose
 BUILTIN_DATASET = "builtin"  # RouterConfig.dataset value naming router/dataset/train.tsv
 FOLLOWUP_LABEL = "followup"  # the classifier's internal class of context-dependent turns; not a route name
+
+
+def compile_route_regex(pattern: str) -> re2._Regexp:
+    """A `routes[].regex` pattern as the router runs it: RE2 (linear time in the text, whatever the
+    pattern), multiline. Raises `re2.error` for what RE2 cannot run: backreferences, lookarounds,
+    possessive or atomic groups, repetitions past 1000, programs too large."""
+    options = re2.Options()
+    options.log_errors = False  # the error is raised, and named in the config error
+    return re2.compile(f"(?m){pattern}", options)
 
 
 class RouteConfig(StrictModel):
@@ -37,7 +46,10 @@ class RouteConfig(StrictModel):
         description="words or phrases (case-insensitive, whole words) that send the latest user turn here",
     )
     regex: list[str] = Field(
-        default_factory=list, description="regular expressions (multiline) sending the latest user turn here"
+        default_factory=list,
+        description="regular expressions (multiline) sending the latest user turn here, in RE2 syntax "
+        "(linear time: no backreferences or lookarounds; `\\w`, `\\d`, `\\b` are ASCII, `\\p{L}` is any "
+        "letter); read on the first and last 4096 characters of the turn",
     )
 
     @field_validator("regex")
@@ -45,9 +57,13 @@ class RouteConfig(StrictModel):
     def _compiles(cls, patterns: list[str]) -> list[str]:
         for pattern in patterns:
             try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError(f"{pattern!r} is not a valid regular expression: {e}") from None
+                compile_route_regex(pattern)
+            except re2.error as e:
+                reason = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else e
+                raise ValueError(
+                    f"{pattern!r} is not a regular expression the router can run (RE2 syntax, linear "
+                    f"time: no backreferences or lookarounds): {reason}"
+                ) from None
         return patterns
 
     @model_validator(mode="after")
@@ -143,6 +159,18 @@ class RouterConfig(StrictModel):
     default_max_waiting: int = Field(
         256, ge=0, description="requests that may wait for one pool (all tiers) unless the pool sets its own"
     )
+    overflow: bool = Field(
+        False,
+        description="a pool busier than the tier may wait hands the request on to the next pool of its "
+        "route's fallback chain; false: it gets 429 with Retry-After, and fallback is for outages only "
+        "(a peak on one pool then never spreads into the others)",
+    )
+    max_tokens_estimate: int = Field(
+        1024,
+        ge=1,
+        description="tokens a request that sets no max_tokens is charged up front per choice against "
+        "its key's tokens/min (settled with the real usage when it ends)",
+    )
     fallback_for_named_models: bool = Field(
         True, description="requests naming a pool or model also fall back along that pool's route"
     )
@@ -179,9 +207,18 @@ class TierConfig(StrictModel):
 
     name: str = Field(min_length=1)
     priority: int = Field(ge=0, description="lower is served first, as in vLLM; passed to the engine")
-    requests_per_minute: int | None = Field(None, ge=1, description="per API key; null = unlimited")
+    requests_per_minute: int | None = Field(
+        None,
+        ge=1,
+        description="per API key, for the cluster (each gateway replica enforces its 1/num_replicas); "
+        "null = unlimited",
+    )
     tokens_per_minute: int | None = Field(
-        None, ge=1, description="prompt + generated tokens per API key; null = unlimited"
+        None,
+        ge=1,
+        description="prompt + generated tokens per API key, for the cluster (as requests_per_minute), "
+        "charged up front (prompt estimate + max_tokens x n) and settled with the real usage; "
+        "null = unlimited",
     )
     max_queue_depth: int = Field(64, ge=0, description="requests of this tier that may wait for one pool")
     max_queue_wait_s: float = Field(10.0, ge=0, description="longest a request may wait for a pool slot")
@@ -196,6 +233,14 @@ class TierConfig(StrictModel):
         le=1,
         description="share of each pool's slots this tier's requests may hold at once (at least one); "
         "below 1 keeps the rest free for other tiers, so a flood of this tier never makes them wait",
+    )
+    max_concurrent_per_key: int | None = Field(
+        None,
+        ge=1,
+        description="requests one API key may have held or waiting in all pools at once, for the "
+        "cluster (each gateway replica enforces its 1/num_replicas, rounded up); 429 past it, even "
+        "with slots free; null = no cap: a key alone may use all its tier may, and keys of a tier "
+        "share a busy pool's slots by taking turns",
     )
 
 

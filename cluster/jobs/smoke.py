@@ -81,7 +81,7 @@ def check_serve_status(details: dict | None, app: str, report: Report) -> None:
 def check_health(args, report: Report) -> set[str]:
     response = call(args, "GET", "/health")
     pools = response.body.get("pools", {}) if isinstance(response.body, dict) else {}
-    unavailable = {name for name, pool in pools.items() if pool.get("status") != "ok"}
+    unavailable = {name for name, pool in pools.items() if pool.get("status") == "unavailable"}
     if response.status == 200:
         report.ok("/health", f"{len(pools)} pools ok")
     else:

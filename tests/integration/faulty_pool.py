@@ -12,7 +12,9 @@ class FaultyPool(ModelPool):
     without a live replica looks to the gateway; "linger": after its last item a request's stream
     stays open until the fault is cleared; "client_error": requests are refused by raising (not
     yielding) a 400 before their first item; "poison": requests whose body holds the word POISON
-    raise an internal error (a bug some content triggers), the others are served."""
+    raise an internal error (a bug some content triggers), the others are served; "busy": requests
+    are served, but stats wait until the fault is cleared, as a replica whose every slot is taken by
+    long streams answers the gateway's probe only when one ends."""
 
     fault: str | None = None
 
@@ -48,4 +50,6 @@ class FaultyPool(ModelPool):
     async def stats(self) -> dict:
         if self.fault == "down":
             raise RuntimeError("injected fault: down")
+        while self.fault == "busy":
+            await asyncio.sleep(0.05)
         return await super().stats()

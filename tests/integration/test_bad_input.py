@@ -71,6 +71,37 @@ def test_fields_of_the_wrong_type_or_shape(http, body, param):
     assert_error(chat(http, **body), 400, param)
 
 
+LONG = "k" * 100_000  # an identifier a client made long: 100 kB, well inside the body limit
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {"prompt_cache_key": LONG}, "prompt_cache_key"),
+        ("/v1/chat/completions", {"user": LONG}, "user"),
+        ("/v1/chat/completions", {"safety_identifier": LONG}, "safety_identifier"),
+        ("/v1/chat/completions", {"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ("/v1/chat/completions", {"metadata": {LONG: "v"}}, "metadata"),
+        ("/v1/chat/completions", {"metadata": {"k": "v" * 513}}, "metadata"),
+        ("/v1/chat/completions", {"stop": [LONG]}, "stop"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": LONG}}]}]},
+            "messages[0].tool_calls[0].function.name",
+        ),
+        ("/v1/chat/completions", {LONG: 1}, f"{LONG[:80]}..."),
+        ("/v1/completions", {"prompt": "hi", "prompt_cache_key": LONG}, "prompt_cache_key"),
+        ("/v1/responses", {"input": "hi", "metadata": {"k": LONG}}, "metadata"),
+        ("/v1/responses", {"input": "hi", "user": LONG}, "user"),
+        ("/v1/embeddings", {"model": "all-MiniLM-L6-v2", "input": "hi", "user": LONG}, "user"),
+    ],
+)
+def test_over_long_identifiers_and_metadata_are_a_400_naming_the_field(http, path, body, param):
+    default = {"model": "chat", "messages": CHAT} if path == "/v1/chat/completions" else {"model": "chat"}
+    error = assert_error(http.post(path, json={**default, **body}), 400, param)
+    assert len(error["message"]) < 400  # what it says is about the field, not the client's 100 kB back
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

@@ -258,7 +258,9 @@ def test_a_fallback_and_a_shed_are_counted_with_their_labels(router_server):
         )
 
     def in_flight(pool: str) -> int:
-        return httpx2.get(f"{server.url}/health", timeout=60).json()["router"]["pools"][pool]["in_flight"]
+        headers = {"Authorization": f"Bearer {ROUTER_KEYS['premium']}"}
+        health = httpx2.get(f"{server.url}/health", headers=headers, timeout=60).json()
+        return health["router"]["pools"][pool]["in_flight"]
 
     before = scrape(server.url)
     r = chat("premium", "reasoning", " ".join(["tell me about the weather"] * 40))

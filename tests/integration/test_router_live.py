@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx2
 import pytest
 
-from tests.live_servers import ROUTER_KEYS, router_server_without_faults  # noqa: F401 (`server`)
+from tests.live_servers import LIMITED_KEY, ROUTER_KEYS, router_server_without_faults  # noqa: F401 (`server`)
 
 HI = [{"role": "user", "content": "hi"}]
 TIMEOUT_S = 180
@@ -26,8 +26,13 @@ def chat(server, model: str, tier: str | None = "premium", messages=HI, **body) 
     return httpx2.post(f"{server.base_url}/chat/completions", json=body, headers=headers, timeout=TIMEOUT_S)
 
 
+def bearer(tier: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {ROUTER_KEYS[tier]}"}
+
+
 def health(server) -> dict:
-    return httpx2.get(f"{server.url}/health", timeout=60).json()
+    """/health with a key: without one, a keyed app tells only its status."""
+    return httpx2.get(f"{server.url}/health", headers=bearer("premium"), timeout=60).json()
 
 
 def wait_for(condition, what: str, timeout_s: float = 120):
@@ -134,6 +139,21 @@ def test_a_pool_that_stops_answering_sends_its_route_down_the_fallback_chain(ser
     assert r.headers["x-raylane-pool"] == "coding" and "x-raylane-fallback" not in r.headers
 
 
+def test_a_pool_too_busy_to_answer_its_probe_keeps_its_traffic(server):
+    """Busy is not down: the probe waits behind the pool's streams past its bound, but Serve and Ray
+    still have the replica, so requests go to it, not down the fallback chain, and /health stays 200."""
+    server.set_fault("coding", "busy")
+    try:
+        wait_for(lambda: health(server)["pools"]["coding"]["status"] == "busy", "coding's probe to time out")
+        r = chat(server, "coding")
+        assert r.status_code == 200, r.text
+        assert r.headers["x-raylane-pool"] == "coding" and "x-raylane-fallback" not in r.headers
+        assert httpx2.get(f"{server.url}/health", headers=bearer("premium"), timeout=30).status_code == 200
+    finally:
+        server.set_fault("coding", None)
+    wait_for(lambda: health(server)["pools"]["coding"]["status"] == "ok", "coding to answer again")
+
+
 def test_errors_open_the_circuit_and_a_successful_probe_closes_it(server):
     server.set_fault("coding", "error")
     try:
@@ -191,3 +211,17 @@ def test_a_response_ends_with_the_pools_last_item(server):
     assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
     assert whole.json()["usage"]["completion_tokens"] == 6
     assert in_flight == 0  # the pool's slots came back with the responses
+
+
+def test_a_key_over_its_rate_limit_gets_429_before_its_body_is_parsed(server):
+    """The rate limit is charged right after the body's bytes are read, before anything parses them:
+    the key's one request a minute is spent on a body that is not JSON (400), and the same body again
+    is a 429, not a 400: a key over its limit costs the gateway a bounded read and a look-up."""
+    url, headers = f"{server.base_url}/chat/completions", {"Authorization": f"Bearer {LIMITED_KEY}"}
+    first = httpx2.post(url, content=b'{"model": "chat", "messages": [', headers=headers, timeout=TIMEOUT_S)
+    assert first.status_code == 400 and first.json()["error"]["code"] == "invalid_json", first.text
+    again = httpx2.post(url, content=b'{"model": "chat", "messages": [', headers=headers, timeout=TIMEOUT_S)
+    assert again.status_code == 429, again.text
+    assert again.json()["error"]["code"] == "rate_limit_exceeded"
+    assert "requests/min" in again.json()["error"]["message"]
+    assert int(again.headers["retry-after"]) >= 1

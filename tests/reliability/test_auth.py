@@ -40,7 +40,7 @@ def app_config(demo_models, port: int):
     return ClusterConfig.from_dict(
         {
             "http": {"host": "127.0.0.1", "port": port},
-            "gateway": {"num_cpus": 0.1},
+            "gateway": {"num_cpus": 0.1, "metrics_require_key": True},
             "pools": [llama_pool(demo_models, "chat", engine={"max_model_len": 64})],
             "tiers": [
                 {"name": name, "priority": PRIORITY[name], **tier, **LIMITS.get(name, {})} for name in KEYS
@@ -273,7 +273,7 @@ def test_keys_never_reach_logs_or_metrics(http):
     ]
     assert [r.status_code for r in sent][:6] == [200, 200, 200, 401, 401, 400]
     secrets = [*KEYS.values(), WRONG_KEY]
-    metrics = http.get("/metrics")
+    metrics = http.get("/metrics", headers=bearer(KEYS["free"]))
     assert metrics.status_code == 200 and "raylane_" in metrics.text
     assert not [key for key in secrets if key in metrics.text]
     assert not [key for key in secrets if key in http.get("/health").text]
@@ -291,3 +291,15 @@ def test_keys_never_reach_logs_or_metrics(http):
         time.sleep(0.5)
     assert marker in found, "the scan did not see the gateway's request log"
     assert not {key: files for key, files in found.items() if key != marker}
+
+
+def test_probes_tell_a_caller_without_a_key_only_the_status(http):
+    """/health without a key says whether to send traffic, not which pools exist or how loaded they
+    are; a key holder sees the pools. /metrics (`metrics_require_key`) is a 401 without a key."""
+    anonymous = http.get("/health")
+    assert anonymous.status_code == 200 and anonymous.json() == {"status": "ok"}
+    for headers in ({}, bearer(WRONG_KEY)):
+        assert http.get("/health", headers=headers).json() == {"status": "ok"}
+    assert set(http.get("/health", headers=bearer(KEYS["free"])).json()["pools"]) == {"chat"}
+    assert_openai_error(http.get("/metrics"), 401)
+    assert http.get("/metrics", headers=bearer(KEYS["free"])).status_code == 200

@@ -39,6 +39,7 @@ CAPACITY, MAX_WAITING = 4, 8
 FREE_CLIENTS = 10 * CAPACITY
 ROUNDS, SAMPLES_PER_ROUND = 4, 8
 KEYS = {"premium": "rel-premium-key", "free": "rel-free-key"}
+PREMIUM = {"Authorization": f"Bearer {KEYS['premium']}"}  # /health shows loads to a key holder
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -138,7 +139,7 @@ async def flood(url: str) -> dict:
 async def pool_idle(http: httpx2.AsyncClient) -> None:
     """Until pool `main` holds and queues nothing (the paused flood's last requests are done)."""
     while True:
-        pool = (await http.get("/health")).json()["router"]["pools"]["main"]
+        pool = (await http.get("/health", headers=PREMIUM)).json()["router"]["pools"]["main"]
         if pool["in_flight"] == 0 and pool["waiting"] == 0:
             return
         await asyncio.sleep(0.1)
@@ -165,7 +166,7 @@ async def overload(url: str) -> dict:
             await asyncio.sleep(3)  # the flood is on (its first round: the process starts)
             for _ in range(SAMPLES_PER_ROUND):
                 loaded.append(await premium_ttft(http))
-                health.append((await http.get("/health")).json())
+                health.append((await http.get("/health", headers=PREMIUM)).json())
                 await asyncio.sleep(0.2)
             await steer("pause")
             await pool_idle(http)

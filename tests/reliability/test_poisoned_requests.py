@@ -43,7 +43,8 @@ def assert_openai_error(r: httpx2.Response, status: int) -> dict:
 
 
 def assert_all_circuits_closed(url: str) -> None:
-    health = httpx2.get(f"{url}/health", timeout=60).json()
+    headers = {"Authorization": f"Bearer {ROUTER_KEYS['premium']}"}
+    health = httpx2.get(f"{url}/health", headers=headers, timeout=60).json()
     circuits = {name: p["circuit"] for name, p in health["router"]["pools"].items()}
     assert set(circuits.values()) == {"closed"}, circuits
     assert health["status"] == "ok", health

@@ -279,6 +279,31 @@ async def test_killed_engine_core_process_ends_requests_with_an_error(llama):
     engine.shutdown()
 
 
+async def test_a_stuck_engine_fails_its_health_check_and_an_idle_one_does_not(llama):
+    """A core that is alive but takes no step (stopped here with SIGSTOP, as a hung rank or a deadlock
+    leaves it) with a request in flight fails the health check, so Serve replaces the replica; an
+    engine idle for longer than the same bound, then given a request, stays healthy."""
+    import os
+    import signal
+
+    from engine import EngineDeadError
+
+    engine = AsyncLLM(model=llama, num_kv_blocks=64, engine_core="process", iteration_timeout_s=1.0)
+    await asyncio.sleep(1.5)  # idle past the bound
+    stream = engine.generate(random_prompt(20, 7), greedy(400))
+    await anext(stream)
+    await engine.check_health()  # idle before, busy now: healthy
+    os.kill(engine._core.process.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(EngineDeadError, match="produced nothing"):
+            for _ in range(300):
+                await engine.check_health()
+                await asyncio.sleep(0.1)
+    finally:
+        os.kill(engine._core.process.pid, signal.SIGCONT)
+        engine.shutdown()
+
+
 def test_engine_core_process_ends_with_its_engine(llama):
     engine = AsyncLLM(model=llama, num_kv_blocks=64, engine_core="process")
     process = engine._core.process

@@ -46,3 +46,27 @@ def test_pool_specs_carry_context_and_capacity():
     )
     (spec,) = pool_specs(cfg)
     assert (spec.name, spec.max_context_len, spec.max_in_flight, spec.max_waiting) == ("chat", 128, 2, None)
+
+
+def test_rate_limits_are_the_clusters_split_over_the_gateway_replicas():
+    """A tier's limits hold for the cluster: with three gateway replicas each refuses a key past a
+    third of them (rounded up), so the key gets its limit in all, not three times it."""
+    import pytest
+
+    from deployments.routing import build_router
+    from router.errors import RateLimitError
+
+    tiers = [
+        {"name": "standard", "priority": 1, "requests_per_minute": 7, "max_concurrent_per_key": 3},
+        {"name": "premium", "priority": 0},
+    ]
+    cfg = config(["llama"], gateway={"num_replicas": 3}, tiers=tiers, api_keys={"default_tier": "standard"})
+    router = build_router(cfg)  # no route fits `llama`: no classifier to load
+    principal = router.authenticate({}, "10.0.0.1")
+    for _ in range(3):  # ceil(7 / 3)
+        router.check_rate(principal)
+    with pytest.raises(RateLimitError):
+        router.check_rate(principal)
+    standard = next(t for t in router.authenticator._tiers.values() if t.name == "standard")
+    assert standard.max_concurrent_per_key == 1
+    assert cfg.tiers[0].requests_per_minute == 7  # the config itself is unchanged

@@ -109,3 +109,31 @@ def test_a_stream_that_cannot_be_resumed_ends_with_the_error_event():
 
 async def _collect(stream):
     return [chunk async for chunk in stream]
+
+
+def test_a_client_that_stops_reading_loses_its_slot_after_the_write_bound():
+    """The client reads the response's start and first event, then nothing: the next write blocks (a
+    server with backpressure, its socket buffers full). Past the bound the stream is closed: the pool
+    call is cancelled and the slot released, while the pool still had events to send."""
+    from deployments.relay import BoundedStreamingResponse
+
+    call, slot = Call([f"event {i}" for i in range(1000)]), Slot()
+    usage: list[int] = []
+    sent: list[dict] = []
+    never = asyncio.Event()
+
+    async def send(message: dict) -> None:
+        if len(sent) >= 2:
+            await never.wait()  # the client's buffers are full and it does not read
+        sent.append(message)
+
+    async def main() -> None:
+        response = BoundedStreamingResponse(relay("first", call, slot, usage.append), write_timeout_s=0.05)
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+        # A guard against hanging, not a timing check: unbounded, the write waits forever.
+        await asyncio.wait_for(response(scope, None, send), 60)
+
+    asyncio.run(main())
+    assert [m.get("body") for m in sent] == [None, b"first"]
+    assert call.cancelled and slot.outcome == "succeeded" and usage == [2]
+    assert len(call.items) > 900  # cut off, not run to the end

@@ -179,3 +179,20 @@ def test_only_the_serve_default_policy_leaves_serves_router():
     assert pool_deployment_options(sized)["request_router_config"].request_router_kwargs["block_chars"] == 128
     default = pool.model_copy(update={"routing": pool.routing.model_copy(update={"policy": "serve_default"})})
     assert "request_router_config" not in pool_deployment_options(default)
+
+
+async def test_a_huge_prompt_is_hashed_only_to_its_bound_and_cannot_flush_the_index():
+    """One client's 2 MB prompt costs the router `max_blocks_per_request` block hashes, no more, and
+    takes that much room in the index: the shop's system prompt stays indexed and keeps its replica."""
+    a, b = Replica("a"), Replica("b")
+    router = make_router(a, b, max_indexed_blocks=64, max_blocks_per_request=32)
+    home = (await route(router, chat(SYSTEM, "When do you open on Sunday?")))[0]
+    flood = chat("x" * 2_000_000, "y" * 2_000_000)
+    assert len(router._hashes(flood)) == 32
+    assert len(request_text(flood.args, 32 * 64)) == 32 * 64
+    for replica in (a, b):  # the flood is routed to both replicas, the system prompt's own among them
+        router.on_request_routed(flood, replica.replica_id, None)
+    assert all(router.index.size(r.replica_id) <= 32 + len(SYSTEM) // 64 + 1 for r in (a, b))
+    load(router, a if home == "a" else b, 2)
+    assert (await route(router, chat(SYSTEM, "Do you fix carbon frames?")))[0] == home
+    assert decisions("prefix_hit") > 0

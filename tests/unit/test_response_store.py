@@ -32,3 +32,19 @@ def test_delete_says_whether_it_was_there():
     store.put("r", "{}")
     assert store.delete("r") is True
     assert store.delete("r") is False and store.get("r") is None
+
+
+def test_a_key_past_its_quota_loses_its_own_oldest_not_anothers():
+    """Key A floods the store; key B's one stored conversation survives it. Past the store's total
+    bound the key holding the most loses its oldest, never the smaller key."""
+    store = ResponseStore(max_entries=5, ttl_s=60, max_per_key=3)
+    store.put("b_0", "{}", key="B")
+    for i in range(10):
+        store.put(f"a_{i}", "{}", key="A")
+    assert store.get("b_0") == "{}"
+    assert [i for i in range(10) if store.get(f"a_{i}")] == [7, 8, 9]  # A's own newest three
+    store.put("c_0", "{}", key="C")
+    store.put("c_1", "{}", key="C")  # six in all, one over: A holds the most and gives its oldest
+    assert store.get("a_7") is None and store.get("b_0") == store.get("c_0") == "{}"
+    assert store.size() == 5
+    assert store.delete("a_9") and store.get("a_9") is None

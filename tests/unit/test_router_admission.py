@@ -6,7 +6,7 @@ import pytest
 
 from cluster.config import TierConfig
 from router.admission import AdmissionController, PoolLoad
-from router.errors import OverloadedError
+from router.errors import KeyConcurrencyError, OverloadedError
 
 PREMIUM = TierConfig(name="premium", priority=0, max_queue_depth=8, max_queue_wait_s=5)
 STANDARD = TierConfig(name="standard", priority=1, max_queue_depth=8, max_queue_wait_s=5)
@@ -233,3 +233,112 @@ def test_retry_hints_are_spread_so_shed_clients_do_not_return_together():
     hints = [int(OverloadedError("busy", retry_after=0.3).headers()["retry-after-ms"]) for _ in range(200)]
     assert min(hints) >= 1000 and max(hints) <= 1500  # never sooner than 1 s; spread over half a second
     assert len(set(hints)) > 50 and max(hints) - min(hints) > 250
+
+
+# -- fair shares between API keys ---------------------------------------------------------------
+
+
+async def test_a_flooding_key_does_not_starve_another_key_of_its_tier():
+    """Key A holds both slots and has five more requests waiting; key B (same tier) arrives after them
+    and gets the next slot that frees, and the one after that goes back to A: they take turns."""
+    admission = controller(capacity=2)
+    held = [await admission.acquire("coding", STANDARD, key="A") for _ in range(2)]
+    flood = [asyncio.create_task(admission.acquire("coding", STANDARD, key="A")) for _ in range(5)]
+    await settle()
+    victim = asyncio.create_task(admission.acquire("coding", STANDARD, key="B"))
+    await settle()
+    held[0].release()
+    await settle()
+    assert victim.done() and not any(t.done() for t in flood)  # B first, though A's waited longer
+    held[1].release()
+    await settle()
+    assert [t.done() for t in flood] == [True, False, False, False, False]  # then A again
+    for task in flood:
+        task.cancel()
+    await asyncio.gather(*flood, return_exceptions=True)
+    (await victim).release()
+    assert admission.load("coding") == PoolLoad(in_flight=1, waiting=0, capacity=2)
+    assert admission.key_requests("A") == 1 and admission.key_requests("B") == 0
+
+
+async def test_a_lone_key_uses_everything_its_tier_may():
+    """Work-conserving: with nobody else asking, one key holds every slot its tier's share allows."""
+    admission = controller(capacity=4)
+    tickets = [await asyncio.wait_for(admission.acquire("coding", STANDARD, key="A"), 1) for _ in range(4)]
+    assert admission.load("coding").in_flight == 4
+    for ticket in tickets:
+        ticket.release()
+    assert admission.key_requests("A") == 0
+
+
+async def test_a_key_that_fills_its_tiers_queue_makes_room_for_another_key():
+    """The tier may have 3 waiting; key A has all 3. Key B's request takes the place of A's newest
+    (which gets a 429 'shed') instead of being turned away; A itself cannot push B out again."""
+    admission = controller(capacity=1)
+    shallow = STANDARD.model_copy(update={"max_queue_depth": 3})
+    holder = await admission.acquire("coding", PREMIUM, key="P")
+    flood = [asyncio.create_task(admission.acquire("coding", shallow, key="A")) for _ in range(3)]
+    await settle()
+    victim = asyncio.create_task(admission.acquire("coding", shallow, key="B"))
+    await settle()
+    assert not victim.done()  # waiting, not turned away
+    with pytest.raises(OverloadedError) as excinfo:
+        await flood[2]
+    assert excinfo.value.reason == "shed"
+    with pytest.raises(OverloadedError) as excinfo:  # A 2, B 1: A may not shed B
+        await admission.acquire("coding", shallow, key="A")
+    assert excinfo.value.reason == "queue_depth"
+    holder.release()
+    first = await asyncio.wait_for(flood[0], 1)  # neither holds a slot: the oldest goes
+    assert not victim.done()
+    first.release()
+    ticket = await asyncio.wait_for(victim, 1)  # A was just served: B's turn, before A's older waiter
+    assert not flood[1].done()
+    ticket.release()
+    (await flood[1]).release()
+    assert admission.load("coding") == PoolLoad(in_flight=0, waiting=0, capacity=1)
+
+
+async def test_max_concurrent_per_key_is_a_hard_cap_with_429():
+    admission = controller(capacity=8)
+    capped = STANDARD.model_copy(update={"max_concurrent_per_key": 2})
+    tickets = [await admission.acquire("coding", capped, key="A") for _ in range(2)]
+    with pytest.raises(KeyConcurrencyError) as excinfo:  # six slots free, but A has its two
+        await admission.acquire("coding", capped, key="A")
+    assert (
+        excinfo.value.status == 429
+        and excinfo.value.to_openai()["error"]["code"] == "concurrency_limit_exceeded"
+    )
+    assert int(excinfo.value.headers()["retry-after"]) >= 1
+    other = await admission.acquire("coding", capped, key="B")  # another key is not held back
+    tickets[0].release()
+    tickets.append(await admission.acquire("coding", capped, key="A"))  # one finished: one more
+    for ticket in tickets[1:] + [other]:
+        ticket.release()
+    assert admission.key_requests("A") == 0 and admission.load("coding").in_flight == 0
+
+
+async def test_another_keys_flood_does_not_make_a_key_look_too_late_to_wait():
+    """Requests hold the slot 2 s and the tier may wait 5 s. Key A has two waiting: a third of A's
+    would wait three rounds (6 s) and is turned away at once. Key B's first request waits only for
+    A's next turn (two rounds): it queues rather than being refused."""
+    now = [0.0]
+    admission = AdmissionController(clock=lambda: now[0])
+    admission.add_pool("coding", capacity=1, max_waiting=16)
+    learn = await admission.acquire("coding", STANDARD, key="A")
+    now[0] += 2.0
+    learn.release()
+    holder = await admission.acquire("coding", STANDARD, key="A")
+    flood = [asyncio.create_task(admission.acquire("coding", STANDARD, key="A")) for _ in range(2)]
+    await settle()
+    with pytest.raises(OverloadedError) as excinfo:
+        await admission.acquire("coding", STANDARD, key="A")
+    assert excinfo.value.reason == "wait_budget"
+    victim = asyncio.create_task(admission.acquire("coding", STANDARD, key="B"))
+    await settle()
+    assert not victim.done() and admission.load("coding").waiting == 3
+    holder.release()
+    (await flood[0]).release()  # A was served last: B's turn
+    (await asyncio.wait_for(victim, 1)).release()
+    (await flood[1]).release()
+    assert admission.load("coding") == PoolLoad(in_flight=0, waiting=0, capacity=1)

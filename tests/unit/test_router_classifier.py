@@ -215,6 +215,44 @@ def test_regex_rule_decides_pasted_code(classifier):
     assert (decision.route, decision.method, decision.confidence) == ("coding", "rule", 1.0)
 
 
+def test_a_2_mb_pathological_turn_is_read_only_at_its_head_and_tail(classifier, monkeypatch):
+    """Every step before admission reads a bounded part of the text: the rules, the tokenizer, the
+    n-grams. What each is handed is recorded; none may be handed more than the rule window."""
+    import router.classifier as module
+    from router.rules import RULE_WINDOW_CHARS, RouteRules
+
+    read: dict[str, int] = {"rules": 0, "tokenizer": 0, "ngrams": 0}
+
+    def longest(step: str, texts) -> None:
+        read[step] = max(read[step], *(len(t) for t in texts))
+
+    matches, ngrams, tokenizer = RouteRules.matches, module.ngram_features, classifier.encoder._tokenizer
+
+    class Tokenizer:
+        def encode(self, text, **kwargs):
+            longest("tokenizer", [text])
+            return tokenizer.encode(text, **kwargs)
+
+    monkeypatch.setattr(
+        RouteRules, "matches", lambda rules, text: longest("rules", [text]) or matches(rules, text)
+    )
+    monkeypatch.setattr(module, "ngram_features", lambda texts: longest("ngrams", texts) or ngrams(texts))
+    monkeypatch.setattr(classifier.encoder, "_tokenizer", Tokenizer())
+    # 2 MB in each of three messages, shaped to keep the default code rule (`^\s*def\s+\w+.*:`) busy.
+    attack = "def " + " " * 2_000_000 + "x"
+    decision = classifier.classify([{"role": "system", "content": attack}, user(attack), user(attack)])
+    assert decision.route in ("coding", "reasoning", "chat")
+    assert all(0 < n <= 2 * RULE_WINDOW_CHARS + 1 for n in read.values()), read
+
+
+def test_the_embedding_cache_keeps_digests_not_client_text(classifier):
+    secret = "my card number is 4111 1111 1111 1111, summarise my statement " + "x" * 50_000
+    classifier.classify([user(secret)])
+    keys = list(classifier.encoder._cache)
+    assert keys and all(isinstance(k, bytes) and len(k) == 16 for k in keys)
+    assert not any(b"4111" in k for k in keys)
+
+
 def test_content_parts_and_empty_messages(classifier):
     parts = [
         {"type": "text", "text": "Integrate x^2 sin(x) dx"},

@@ -127,12 +127,27 @@ async def test_prompt_longer_than_every_candidate_is_a_400():
     )
 
 
-async def test_saturated_pool_falls_back_then_429_with_retry_after():
-    tiers = [
-        TierConfig(name="premium", priority=0, max_queue_wait_s=5),
-        TierConfig(name="free", priority=2, max_queue_depth=0, sheddable=True),
-    ]
-    router = make_router(tiers=tiers)
+SHEDDING_TIERS = [
+    TierConfig(name="premium", priority=0, max_queue_wait_s=5),
+    TierConfig(name="free", priority=2, max_queue_depth=0, sheddable=True),
+]
+
+
+async def test_a_saturated_pool_is_a_429_and_its_peak_stays_out_of_the_fallback_pools():
+    router = make_router(tiers=SHEDDING_TIERS)
+    free = router.authenticate(bearer("sk-free"))
+    held = await router.plan(free, router.resolve("coding", [])).next_slot()
+    busy = router.plan(free, router.resolve("coding", []))
+    with pytest.raises(OverloadedError) as excinfo:
+        await busy.next_slot()
+    assert excinfo.value.status == 429 and "retry-after" in excinfo.value.headers()
+    assert "coding" in str(excinfo.value) and busy.chain.header_value() is None
+    assert [router.pool_load(p).in_flight for p in ("coding", "reasoning", "chat")] == [1, 0, 0]
+    held.succeeded()
+
+
+async def test_with_overflow_a_saturated_pool_falls_back_then_429_with_retry_after():
+    router = make_router(tiers=SHEDDING_TIERS, overflow=True)
     free = router.authenticate(bearer("sk-free"))
     held = [await router.plan(free, router.resolve("coding", [])).next_slot() for _ in range(3)]
     assert [s.pool for s in held] == ["coding", "reasoning", "chat"]

@@ -36,30 +36,55 @@ def test_tokens_per_minute_counts_prompt_and_generated_tokens():
     clock = FakeClock()
     limiter = RateLimiter(clock)
     tier = TierConfig(name="standard", priority=1, tokens_per_minute=600)
-    limiter.check("k", tier, prompt_tokens=300)
-    limiter.charge_tokens("k", tier, 250)  # generated
+    limiter.check("k", tier, tokens=300).settle(550)  # estimated 300, used 550: 250 more charged
     with pytest.raises(RateLimitError) as excinfo:
-        limiter.check("k", tier, prompt_tokens=100)  # 50 left
+        limiter.check("k", tier, tokens=100)  # 50 left
     assert excinfo.value.retry_after == pytest.approx(5.0)  # 50 missing at 10 tokens/s
     clock.now += 5.0
-    limiter.check("k", tier, prompt_tokens=100)
+    limiter.check("k", tier, tokens=100)
+
+
+def test_tokens_are_charged_up_front_and_settled_with_the_real_usage():
+    """max_tokens x n is charged before the request runs: while two requests that may each generate
+    250 tokens are in flight, a third is turned away though nothing has been generated yet. When they
+    end having used 50 each, the rest comes back at once."""
+    clock = FakeClock()
+    limiter = RateLimiter(clock)
+    tier = TierConfig(name="standard", priority=1, tokens_per_minute=600)
+    charges = []
+    for _ in range(2):
+        charge = limiter.check("k", tier, tokens=25)  # the prompt's estimate from the body's bytes
+        limiter.charge_more(charge, "k", tier, 250)  # max_tokens 125 x n 2
+        charges.append(charge)
+    charge = limiter.check("k", tier, tokens=25)
+    with pytest.raises(RateLimitError) as excinfo:
+        limiter.charge_more(charge, "k", tier, 250)  # 25 left of 600
+    assert excinfo.value.retry_after == pytest.approx(22.5)  # 225 missing at 10 tokens/s
+    charge.settle(0)  # turned away: its prompt estimate comes back
+    for charge in charges:
+        charge.settle(50)
+        charge.settle(10_000)  # only the first settlement counts
+    third = limiter.check("k", tier, tokens=25)
+    limiter.charge_more(third, "k", tier, 250)  # 600 - 100 used: room again, at the same clock time
+    third.settle(0)
+    assert limiter.check("k", tier, tokens=500).tokens == 500
 
 
 def test_rejected_request_takes_nothing_and_huge_prompt_is_not_locked_out_forever():
     clock = FakeClock()
     limiter = RateLimiter(clock)
     tier = TierConfig(name="t", priority=1, requests_per_minute=2, tokens_per_minute=60)
-    limiter.check("k", tier, prompt_tokens=60)
+    limiter.check("k", tier, tokens=60)
     with pytest.raises(RateLimitError):
-        limiter.check("k", tier, prompt_tokens=10)
+        limiter.check("k", tier, tokens=10)
     clock.now += 60.0
-    limiter.check("k", tier, prompt_tokens=10_000)  # capped at one minute's allowance, once full
-    limiter.check("k", tier, prompt_tokens=0)  # the earlier rejection did not use up the second request
+    limiter.check("k", tier, tokens=10_000)  # capped at one minute's allowance, once full
+    limiter.check("k", tier, tokens=0)  # the earlier rejection did not use up the second request
 
 
 def test_unlimited_tier_and_bounded_memory():
     limiter = RateLimiter(FakeClock(), max_principals=10)
     tier = TierConfig(name="premium", priority=0)
     for i in range(1000):
-        limiter.check(f"anonymous:10.0.{i // 256}.{i % 256}", tier, prompt_tokens=10**6)
+        limiter.check(f"anonymous:10.0.{i // 256}.{i % 256}", tier, tokens=10**6)
     assert len(limiter._buckets) == 10

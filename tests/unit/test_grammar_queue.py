@@ -1,0 +1,91 @@
+"""The grammar worker's queue is bounded, in all and per API key: a call that finds it full is refused
+at once (GrammarBusy -> the gateway's 429 with Retry-After), never queued silently. A real worker
+process runs `time.sleep` as the slow grammar."""
+
+import asyncio
+import time
+
+import pytest
+
+from engine.grammar_compiler import BoundedWorker, GrammarBusy
+
+SLOW_S = 2.0  # each queued call holds the worker this long: the refusals below come microseconds in
+
+
+async def started(coro) -> asyncio.Task:
+    task = asyncio.ensure_future(coro)
+    await asyncio.sleep(0)  # it has taken its place in the queue
+    return task
+
+
+def test_one_key_cannot_fill_the_grammar_queue_and_a_full_queue_refuses_at_once():
+    async def main() -> None:
+        worker = BoundedWorker(timeout_s=60, preload=("time",), max_pending=3, max_pending_per_key=2)
+        try:
+            flood = [await started(worker.run(time.sleep, SLOW_S, key="A")) for _ in range(2)]
+            with pytest.raises(GrammarBusy) as excinfo:  # A's share is full; the queue is not
+                await worker.run(time.sleep, 0, key="A")
+            assert "for this API key" in str(excinfo.value) and excinfo.value.retry_after > 0
+            victim = await started(worker.run(time.sleep, 0, key="B"))  # another key still gets in
+            with pytest.raises(GrammarBusy) as excinfo:  # now the whole queue is full
+                await worker.run(time.sleep, 0, key="C")
+            assert "in all" in str(excinfo.value)
+            await asyncio.gather(*flood, victim)
+            assert worker.pending == {}
+            await worker.run(time.sleep, 0, key="A")  # places come back when calls finish
+        finally:
+            worker.close()
+
+    asyncio.run(main())
+
+
+def test_a_caller_that_went_away_holds_its_place_until_the_worker_is_done_with_it():
+    """Otherwise a client could send a costly grammar, disconnect and send another, without bound:
+    the worker runs each call it was sent to the end."""
+
+    async def main() -> None:
+        worker = BoundedWorker(timeout_s=60, preload=("time",), max_pending=4, max_pending_per_key=1)
+        try:
+            first = await started(worker.run(time.sleep, SLOW_S, key="A"))
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            with pytest.raises(GrammarBusy):
+                await worker.run(time.sleep, 0, key="A")
+            deadline = time.monotonic() + 120
+            while worker.pending and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await worker.run(time.sleep, 0, key="A")
+        finally:
+            worker.close()
+
+    asyncio.run(main())
+
+
+def test_a_pools_full_compile_queue_is_the_clients_429_with_retry_after():
+    """A pool whose compile queue is full answers a 429 (a client-side error: no fallback, no breaker
+    count) that keeps its Retry-After across the Serve handle (pickled) into the gateway's response."""
+    import pickle
+    from types import SimpleNamespace
+
+    from deployments.dispatch import error_response
+    from deployments.errors import OpenAIError
+    from deployments.serving import OpenAIServing
+
+    class FullQueue:
+        async def prepare(self, structured) -> None:
+            raise GrammarBusy(
+                "64 grammar checks are already queued in all, the most allowed", retry_after=7.5
+            )
+
+    serving = OpenAIServing(SimpleNamespace(tokenizer=None), "m", 128, grammar=FullQueue())
+    params = SimpleNamespace(structured=object())
+    with pytest.raises(OpenAIError) as excinfo:
+        asyncio.run(serving._compile(params, "response_format"))
+    error = pickle.loads(pickle.dumps(excinfo.value))
+    assert error.status == 429 and error.is_client_error
+    assert error.to_dict()["error"]["code"] == "grammar_queue_full"
+    assert error.to_dict()["error"]["param"] == "response_format"
+    response = error_response(error, {"x-raylane-pool": "chat"})
+    assert response.status_code == 429 and response.headers["retry-after"] == "8"
+    assert response.headers["x-raylane-pool"] == "chat"
