@@ -55,7 +55,14 @@ from deployments.openai_schemas import (
 )
 from deployments.openapi import publish, route_docs
 from deployments.pool_health import PoolHealth, serve_liveness
-from deployments.request_body import parse_body, parse_bytes, read_body, read_json_object, validate_body
+from deployments.request_body import (
+    off_the_loop_if_large,
+    parse_body,
+    parse_bytes,
+    parse_json_object,
+    read_body,
+    validate_body,
+)
 from deployments.request_log import RequestLogMiddleware, router_timed
 from deployments.response_store import response_store
 from deployments.responses_api import StoredResponses
@@ -222,17 +229,23 @@ class Gateway:
     @app.post("/v1/embeddings", **route_docs(EmbeddingResponse, EmbeddingRequest))
     async def embeddings(self, request: Request) -> Response:
         principal = self.authenticate(request)  # MiniLM runs here: keyed like every other endpoint
-        self.router.check_rate(principal)
-        req = await parse_body(request, EmbeddingRequest, self.config.gateway.max_request_body_bytes)
-        return await create_embeddings(self.config.embeddings, req)
+        body = await self.read_charged(request, principal)  # its tokens estimated, before parsing
+        req = await parse_bytes(body, EmbeddingRequest)
+        response = await create_embeddings(self.config.embeddings, req)
+        # MiniLM's tokenizer reads every byte though the model reads only 256 tokens of an input:
+        # settled with its count, never below the body's estimate.
+        estimate = len(body) // PROMPT_BYTES_PER_TOKEN
+        request.state.rate_charge.settle(max(response.usage.prompt_tokens, estimate))
+        return Response(response.to_json(), media_type="application/json")
 
     @app.post("/tokenize", **route_docs(TokenizeResponse, (TokenizeChatRequest, TokenizeCompletionRequest)))
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: `prompt`, or `messages` through the chat template, counted by the pool
         that `model` names (its tokenizer, its `max_model_len`)."""
         principal = self.authenticate(request)
-        self.router.check_rate(principal)
-        data = await read_json_object(request, self.config.gateway.max_request_body_bytes)
+        # The pool's template and tokenizer work grows with the text: its tokens are charged first.
+        body = await self.read_charged(request, principal)
+        data = await off_the_loop_if_large(body, lambda: parse_json_object(body))
         req = validate_body(data, tokenize_request_model(data))
         messages = [m.model_dump(exclude_none=True) for m in getattr(req, "messages", [])]
         return await self.call_pool(req.model, messages, lambda pool: pool.tokenize.remote(req))

@@ -26,6 +26,7 @@ from deployments.serving_completion import OpenAIServingCompletion
 from deployments.serving_responses import OpenAIServingResponses
 from deployments.serving_tokenization import OpenAIServingTokenization
 from deployments.tokenization_schemas import DetokenizeRequest, TokenizeRequest
+from deployments.tokenize_offload import tokenize_off_loop
 from deployments.wire import PoolItem, ResumeState
 from engine import AsyncLLM, SamplingParams
 from engine.grammar_compiler import GrammarCompileService, start_forkserver, tokenizer_info_json
@@ -58,9 +59,11 @@ class ModelPool:
         args = (metered, self.pool.model_id, self.llm.max_model_len, self.grammar)
         self.chat_serving = OpenAIServingChat(*args)
         self.completion_serving = OpenAIServingCompletion(*args)
-        self.tokenization = OpenAIServingTokenization(self.llm.tokenizer, *args[1:3])
+        sanitize = self.pool.sanitize_control_tokens
+        self.tokenization = OpenAIServingTokenization(self.llm.tokenizer, *args[1:3], sanitize)
         self.responses_serving = OpenAIServingResponses(self.chat_serving, self.pool.reasoning_parser)
         self.chat_serving.reasoning_parser = self.pool.reasoning_parser
+        self.chat_serving.sanitize_control_tokens = sanitize
         # Wall-clock times (comparable across this machine's processes) for `raylane bench recovery`.
         self.startup = {
             "pid": os.getpid(),
@@ -121,7 +124,7 @@ class ModelPool:
     async def tokenize(self, request: TokenizeRequest) -> str:
         """vLLM's /tokenize with this pool's tokenizer and chat template: the response's JSON; a
         client mistake raises its `OpenAIError` (the gateway unwraps it)."""
-        return self.tokenization.tokenize(request)
+        return await tokenize_off_loop(lambda: self.tokenization.tokenize(request), request)
 
     async def detokenize(self, request: DetokenizeRequest) -> str:
         return self.tokenization.detokenize(request)

@@ -191,7 +191,12 @@ class RequestLogMiddleware:
     Only paths under `log_prefix` are logged and counted (not /metrics scrapes, not health probes).
     """
 
-    def __init__(self, app, on_complete: Callable[[RequestRecord], None] | None = None, log_prefix="/v1/"):
+    def __init__(
+        self,
+        app,
+        on_complete: Callable[[RequestRecord], None] | None = None,
+        log_prefix: str | tuple[str, ...] = ("/v1/", "/tokenize", "/detokenize"),
+    ):
         self.app = app
         self.on_complete = on_complete or _default_complete
         self.log_prefix = log_prefix

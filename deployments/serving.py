@@ -25,6 +25,10 @@ def sse(payload) -> str:
 
 
 class OpenAIServing:
+    # The pool's `sanitize_control_tokens`: control tokens in a client's text stay text
+    # (deployments/chat_prompt.py).
+    sanitize_control_tokens: bool = True
+
     def __init__(
         self, llm: AsyncLLM, model_id: str, max_model_len: int, grammar: GrammarCompileService | None = None
     ) -> None:

@@ -7,9 +7,9 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from deployments.errors import OpenAIError, invalid
+from deployments.chat_prompt import chat_prompt_ids
+from deployments.errors import OpenAIError
 from deployments.openai_schemas import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -20,7 +20,6 @@ from deployments.openai_schemas import (
     ChoiceLogprobs,
     CompletionTokensDetails,
     FunctionCallOut,
-    SystemMessage,
     TokenLogprob,
     ToolCallDelta,
     ToolCallOut,
@@ -31,7 +30,6 @@ from deployments.sampling import ToolPlan, grammar_param
 from deployments.serving import (
     OpenAIServing,
     chain,
-    encode,
     engine_failure,
     engine_resumption,
     final_item,
@@ -40,6 +38,7 @@ from deployments.serving import (
     token_text,
     usage,
 )
+from deployments.tokenize_offload import tokenize_off_loop
 from deployments.tool_calls import ContentDelta, ToolCallStreamParser, parse_tool_calls
 from deployments.wire import DONE, PoolItem, ResumeState, StreamItem
 from engine import EngineDeadError, RequestOutput, RequestOutputKind, SamplingParams
@@ -60,7 +59,7 @@ class OpenAIServingChat(OpenAIServing):
     ) -> AsyncIterator[PoolItem]:
         """`resume`: continue a stream that a failed replica began (deployments/wire.py)."""
         try:
-            prompt_ids = self.render_chat(req, plan)
+            prompt_ids = await self.prompt_ids(req, plan)
             # Name the limit as the client did (max_completion_tokens wins when both are set).
             output = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             self.check_length(len(prompt_ids), params.max_tokens, "messages", output)
@@ -93,10 +92,20 @@ class OpenAIServingChat(OpenAIServing):
             except EngineDeadError as e:
                 yield engine_failure(e, bool(req.stream), [gen])
 
+    async def prompt_ids(self, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+        """`render_chat`, off the event loop for a large prompt (deployments/tokenize_offload.py)."""
+        return await tokenize_off_loop(lambda: self.render_chat(req, plan), req.messages, plan.tools)
+
     def render_chat(self, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
         tools = plan.tools if plan.mode != "none" else None
-        text = render_messages(self.tokenizer, self.model_id, req.messages, tools, req.chat_template_kwargs)
-        return encode(self.tokenizer, text, "messages")
+        return chat_prompt_ids(
+            self.tokenizer,
+            self.model_id,
+            req.messages,
+            tools,
+            req.chat_template_kwargs,
+            sanitize_control_tokens=self.sanitize_control_tokens,
+        )
 
     def _chat_response(
         self, final: RequestOutput, params: SamplingParams, plan: ToolPlan, response_id: str, created: int
@@ -250,40 +259,6 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
         return ChoiceLogprobs(content=content, refusal=None)
-
-
-def render_messages(
-    tokenizer,
-    model_id: str,
-    messages: list,
-    tools: list[dict] | None,
-    template_kwargs: dict | None,
-    add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
-) -> str:
-    """The prompt text of `messages` through the pool's chat template (also what /tokenize counts)."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise invalid("model", f"{model_id} has no chat template; use /v1/completions.")
-    try:
-        return tokenizer.apply_chat_template(
-            [_template_message(m) for m in messages],
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tokenize=False,
-            **(template_kwargs or {}),
-        )
-    except Exception as e:  # jinja errors, raise_exception() in a template
-        raise invalid("messages", f"The chat template rejected the messages: {e}") from None
-
-
-def _template_message(message) -> dict:
-    data = message.model_dump(exclude_none=True)
-    if isinstance(message, SystemMessage):
-        data["role"] = "system"  # `developer` is OpenAI's new name for it
-    if isinstance(message, AssistantMessage):
-        data.setdefault("content", "")
-    return data
 
 
 def _chat_deltas(

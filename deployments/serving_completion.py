@@ -29,6 +29,7 @@ from deployments.serving import (
     token_text,
     usage,
 )
+from deployments.tokenize_offload import tokenize_off_loop
 from deployments.wire import DONE, PoolItem, ResumeState, StreamItem
 from engine import EngineDeadError, RequestOutput, RequestOutputKind, SamplingParams
 from engine.outputs import CompletionOutput
@@ -52,7 +53,9 @@ class OpenAIServingCompletion(OpenAIServing):
         started: Started = []
         n = params.n
         try:
-            prompts = [self._prompt_ids(p) for p in req.prompts()]
+            # A large prompt is encoded off the replica's event loop (deployments/tokenize_offload.py).
+            encode_all = lambda: [self._prompt_ids(p) for p in req.prompts()]  # noqa: E731
+            prompts = await tokenize_off_loop(encode_all, req.prompt)
             for ids in prompts:
                 self.check_length(len(ids), params.max_tokens, "prompt")
             await self._compile(params, grammar_param(req))

@@ -40,7 +40,7 @@ class OpenAIServingResponses:
         (with the response's id and created_at) is the same for every replica that serves it."""
         chat = self.chat
         try:
-            prompt_ids = chat.render_chat(req, plan)
+            prompt_ids = await chat.prompt_ids(req, plan)
             chat.check_length(len(prompt_ids), params.max_tokens, "messages", "max_tokens")
             kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
             engine_params = params.clone(output_kind=kind)

@@ -142,6 +142,13 @@ class PoolConfig(StrictModel):
         "`reasoning_content` (chat) and a `reasoning` item (Responses): `qwen3` (the output opens "
         "<think> itself) or `deepseek_r1` (the chat template opens it). Default: none, all text is answer.",
     )
+    sanitize_control_tokens: bool = Field(
+        True,
+        description="Control tokens (special tokens such as <|im_start|>/<|im_end|>, and added tokens the "
+        "chat template writes, such as <tool_call>) inside message text, tool definitions and template "
+        "variables are tokenized as plain text, so a client's text cannot close its turn or forge a "
+        "system or assistant turn. false: they become control tokens, as before (trusted callers only).",
+    )
     max_in_flight: int | None = Field(
         None,
         ge=1,

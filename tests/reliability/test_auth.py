@@ -19,10 +19,16 @@ from tests.reliability.test_untrusted_input import assert_openai_error
 
 APP = "auth"
 RUN = uuid.uuid4().hex[:12]
-KEYS = {tier: f"sk-canary-{tier}-{RUN}" for tier in ("premium", "free", "limited", "metered")}
+TIERS = ("premium", "free", "limited", "metered", "embedder", "counter")
+KEYS = {tier: f"sk-canary-{tier}-{RUN}" for tier in TIERS}
 WRONG_KEY = f"sk-canary-wrong-{RUN}"
-PRIORITY = {"premium": 0, "limited": 1, "metered": 1, "free": 2}
-LIMITS = {"limited": {"requests_per_minute": 3}, "metered": {"tokens_per_minute": 50}}
+PRIORITY = {"premium": 0, "limited": 1, "metered": 1, "embedder": 1, "counter": 1, "free": 2}
+LIMITS = {
+    "limited": {"requests_per_minute": 3},
+    "metered": {"tokens_per_minute": 50},
+    "embedder": {"tokens_per_minute": 100},
+    "counter": {"tokens_per_minute": 100},
+}
 HI = [{"role": "user", "content": "hi"}]
 
 
@@ -176,6 +182,24 @@ def test_a_streamed_answer_is_charged_its_tokens(http):
     assert usage[-1]["total_tokens"] > 50 and usage[-1]["completion_tokens"] == 40
     hi = {"model": "chat", "messages": HI, "max_tokens": 1}
     r = http.post("/v1/chat/completions", json=hi, headers=bearer(KEYS["metered"]))
+    assert assert_openai_error(r, 429)["code"] == "rate_limit_exceeded"
+    assert "tokens/min" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "tier"),
+    [
+        ("/v1/embeddings", {"model": "all-MiniLM-L6-v2", "input": "word " * 100}, "embedder"),
+        ("/tokenize", {"model": "chat", "prompt": "word " * 100}, "counter"),
+    ],
+    ids=["embeddings", "tokenize"],
+)
+def test_embeddings_and_tokenize_are_charged_their_tokens(http, path, body, tier):
+    """MiniLM and a pool's tokenizer work in proportion to the text: a key with 100 tokens a minute
+    gets one 500-byte call (~125 tokens, charged before the body is parsed), not two."""
+    first = http.post(path, json=body, headers=bearer(KEYS[tier]))
+    assert first.status_code == 200, first.text
+    r = http.post(path, json=body, headers=bearer(KEYS[tier]))
     assert assert_openai_error(r, 429)["code"] == "rate_limit_exceeded"
     assert "tokens/min" in r.json()["error"]["message"]
 
