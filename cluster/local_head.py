@@ -47,6 +47,7 @@ class LocalHead:
         command = [
             sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
             f"--port={port}", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
+            f"--temp-dir={temp_dir(port)}",
         ]  # fmt: skip
         _token_auth_as_ray_init_does()
         # Serve is down by the time the head stops: Ray's own drain on SIGTERM has nothing to wait for.
@@ -90,6 +91,16 @@ class LocalHead:
                 os.killpg(pgid, signal.SIGKILL)
         self.process.wait()
         self.log.unlink(missing_ok=True)
+
+
+def temp_dir(port: int) -> str:
+    """The head's own Ray temp dir, under Ray's default root ($RAY_TMPDIR, $TMPDIR or /tmp, then
+    `ray`). `ray start` writes its address into `ray_current_cluster` there, and a plain `ray.init()`
+    on the machine joins the cluster that file names, even one long stopped: in the shared
+    /tmp/ray it would take over every other Ray user's `ray.init()` (a `ray.init()` head, as
+    raylane ran before, writes no such file)."""
+    root = os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()
+    return os.path.join(root, "ray", f"raylane-{port}")
 
 
 def _token_auth_as_ray_init_does() -> None:

@@ -53,6 +53,9 @@ def test_sigterm_to_the_process_group_stops_raylane_serve_cleanly(demo_models, t
         started = descendants(proc.pid)
         assert ray_processes_of(root), "the Ray of this serve runs under its own temp dir"
         assert any("gcs_server" in text for _, text in ray_processes_of(root))
+        # A plain ray.init() elsewhere on the machine must still start its own Ray, not join this one
+        # through the address file that `ray start` writes in Ray's shared temp dir.
+        assert not (Path(root) / "ray" / "ray_current_cluster").exists()
 
         os.killpg(proc.pid, signal.SIGTERM)  # what `systemctl stop`, `timeout` and `kill -TERM -PGID` do
         try:
