@@ -27,8 +27,13 @@ From one `ClusterConfig` it writes a kustomize directory:
 With `--base DIR` the output is an overlay of that directory instead: `resources: [DIR]` and one
 JSON patch per object that differs. `--jobs DIR` writes the ops `RayJob`s (cluster/jobs/).
 API keys come from the Secret `<name>-api-keys`: key `keys` (the key file format of `api_keys`),
-mounted at `api_keys.file` or set as the variable `api_keys.env`; its optional `ops-key` is the key
-the ops jobs use. Keys written inline in the config cannot go into a manifest and are refused.
+mounted at `api_keys.file` or set as the variable `api_keys.env` in the gateway's pods only (the
+pools' pods run model code and never see them); its optional `ops-key` is the key the ops jobs use,
+on the head. Keys written inline in the config cannot go into a manifest and are refused. The
+`--demo-secret` key is public: it gets open mode's tier (`api_keys.default_tier`), never a
+privileged one. Every container runs with a read-only root filesystem (emptyDirs for /tmp, where
+Ray keeps its session, and for the cache) and no pod mounts a service account token, except the
+head when a pool autoscales (KubeRay's autoscaler sidecar calls the Kubernetes API).
 """
 
 from __future__ import annotations
@@ -137,7 +142,7 @@ def render_files(args: argparse.Namespace) -> dict[str, str]:
 
     config = ClusterConfig.from_yaml(args.config) if args.config else default_config()
     objects = render_objects(config, args)
-    files = overlay_files(objects, args) if args.base else base_files(objects)
+    files = overlay_files(objects, args, config) if args.base else base_files(objects)
     if args.jobs:
         out = Path(args.out) if args.out else None
         prefix = os.path.relpath(args.jobs, out) if out else "jobs"
@@ -180,7 +185,25 @@ def base_files(objects: dict[str, dict]) -> dict[str, str]:
     return {**files, "kustomization.yaml": dump(kustomization)}
 
 
-def overlay_files(objects: dict[str, dict], args: argparse.Namespace) -> dict[str, str]:
+def demo_tier(config) -> str:
+    """The tier of the public demo key: open mode's tier (anyone holding a published key is anyone),
+    and never a privileged one: the highest priority, or no request or token limit."""
+    tiers = {t.name: t for t in config.tiers}
+    tier = tiers[config.api_keys.default_tier]
+    if privileged(tier, config.tiers):
+        raise RenderError(
+            f"api_keys.default_tier: {tier.name!r} is privileged (top priority, or no request or token "
+            "limit); --demo-secret gives the public demo key that tier"
+        )
+    return tier.name
+
+
+def privileged(tier, tiers) -> bool:
+    unlimited = tier.requests_per_minute is None or tier.tokens_per_minute is None
+    return unlimited or tier.priority == min(t.priority for t in tiers)
+
+
+def overlay_files(objects: dict[str, dict], args: argparse.Namespace, config) -> dict[str, str]:
     """`resources: [base]` plus a JSON patch replacing `spec` of each object that differs."""
     base_dir = Path(args.base)
     out = Path(args.out) if args.out else base_dir
@@ -217,7 +240,7 @@ def overlay_files(objects: dict[str, dict], args: argparse.Namespace) -> dict[st
         kustomization["secretGenerator"] = [
             {
                 "name": f"{args.name}-api-keys",
-                "literals": [f"keys={DEMO_KEY} premium", f"ops-key={DEMO_KEY}"],
+                "literals": [f"keys={DEMO_KEY} {demo_tier(config)}", f"ops-key={DEMO_KEY}"],
             }
         ]
     return {**files, "kustomization.yaml": dump(kustomization)}
@@ -310,7 +333,15 @@ RAYLET_OK = _wget(f"http://localhost:{AGENT_PORT}/api/local_raylet_healthz")
 GCS_OK = _wget(f"http://localhost:{DASHBOARD_PORT}/api/gcs_healthz")
 
 
-def container(config, args, role: str, cpu: float, memory_gi: int, gpus: int, models: bool) -> dict[str, Any]:
+# Writable places under a read-only root filesystem: /tmp (Ray's session directory, sockets, the
+# grammar forkserver) and the cache (demo checkpoints, the router's fitted head, HF and Triton caches).
+CACHE_DIR = "/home/ray/.cache"
+SCRATCH = {"tmp": "/tmp", "cache": CACHE_DIR}
+
+
+def container(
+    config, args, role: str, component: str, cpu: float, memory_gi: int, gpus: int, models: bool
+) -> dict[str, Any]:
     port = config.http.port
     ports = [
         {"name": HTTP_PORT_NAME, "containerPort": port},
@@ -331,15 +362,21 @@ def container(config, args, role: str, cpu: float, memory_gi: int, gpus: int, mo
         live = probe([RAYLET_OK], period=5, failures=120, initial=30)
     resources = {"cpu": _cpu(cpu), "memory": f"{memory_gi}Gi"} | ({"nvidia.com/gpu": gpus} if gpus else {})
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    mounts += [{"name": name, "mountPath": path} for name, path in SCRATCH.items()]
     if models:
         mounts.append({"name": "models", "mountPath": args.models_dir, "readOnly": True})
-    env = [{"name": "RAYLANE_DEMO_DIR", "value": "/home/ray/.cache/raylane/demo-models"}]
+    env = [
+        {"name": "RAYLANE_DEMO_DIR", "value": f"{CACHE_DIR}/raylane/demo-models"},
+        {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},  # its default, ~/.triton, is read-only
+    ]
     env += [{"name": name, "value": value} for name, value in SERVE_ENV.items()]
     keys = config.api_keys
     secret = f"{args.name}-api-keys"
-    if keys.file:
+    # Only the gateway checks keys: pool pods (their ranks, and anything a model's code runs) never
+    # see them, and the head gets only the ops jobs' own key.
+    if keys.file and component == "gateway":
         mounts.append({"name": "api-keys", "mountPath": os.path.dirname(keys.file), "readOnly": True})
-    if keys.env:
+    if keys.env and component == "gateway":
         env.append({"name": keys.env, "valueFrom": {"secretKeyRef": {"name": secret, "key": "keys"}}})
     if role == "head":  # the ops jobs run here and authenticate with the Secret's ops key
         ref = {"name": secret, "key": "ops-key", "optional": True}
@@ -357,6 +394,7 @@ def container(config, args, role: str, cpu: float, memory_gi: int, gpus: int, mo
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
             "runAsNonRoot": True,
+            "readOnlyRootFilesystem": True,
         },
         "volumeMounts": mounts,
     }
@@ -368,14 +406,19 @@ def _cpu(cpu: float) -> str | int:
 
 def pod_template(config, args, role: str, component: str, cpu, memory_gi, gpus, models) -> dict[str, Any]:
     volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    volumes += [{"name": name, "emptyDir": {}} for name in SCRATCH]
     if models:
         claim = {"claimName": args.models_pvc, "readOnly": True}
         volumes.append({"name": "models", "persistentVolumeClaim": claim})
-    if config.api_keys.file:
+    if config.api_keys.file and component == "gateway":
         path = os.path.basename(config.api_keys.file)
         secret = {"secretName": f"{args.name}-api-keys", "items": [{"key": "keys", "path": path}]}
         volumes.append({"name": "api-keys", "secret": secret})
+    # No pod talks to the Kubernetes API, except the head's autoscaler sidecar (KubeRay adds it when
+    # a pool autoscales), which uses the head's service account token.
+    autoscaler = role == "head" and any(p.replicas.autoscaling for p in config.pools)
     spec: dict[str, Any] = {
+        "automountServiceAccountToken": autoscaler,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": 1000,
@@ -383,7 +426,7 @@ def pod_template(config, args, role: str, component: str, cpu, memory_gi, gpus, 
             "fsGroup": 100,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "containers": [container(config, args, role, cpu, memory_gi, gpus, models)],
+        "containers": [container(config, args, role, component, cpu, memory_gi, gpus, models)],
         "volumes": volumes,
     }
     if gpus:

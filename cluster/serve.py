@@ -94,21 +94,26 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from cluster.local_head import LocalHead
     from cluster.serve_env import serve_env
     from deployments.app import APP_NAME, build_app
 
-    status = 0
+    status, head = 0, None
     # This process's Serve client logs each step at INFO too ("Started Serve", "Application ... is ready"
     # before raylane's own ready line): the same level as the controller's.
     logging.getLogger("ray.serve").setLevel(config.logs.serve_log_level)
     print("raylane: starting Ray", flush=True)
-    with serve_env(config.http.ingress):  # a cluster joined runs what it was started with
-        ray.init(
-            address=os.environ.get("RAY_ADDRESS") or "local", namespace="raylane", logging_level="WARNING"
-        )
     for signum in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a shell may start us with it ignored
         _stop_on(signum)
     try:
+        # A cluster joined runs what it was started with. A local one is a head in a session of its
+        # own (cluster/local_head.py), so a stop sent to our whole process group reaches only us.
+        with serve_env(config.http.ingress):
+            head = None if joined else LocalHead.start()
+        address = os.environ["RAY_ADDRESS"] if joined else head.address
+        ray.init(address=address, namespace="raylane", logging_level="WARNING")
+        for signum in (signal.SIGINT, signal.SIGTERM):  # again: the driver's core worker installs its own
+            _stop_on(signum)
         http = config.http
         http_options = {"host": http.host, "port": http.port}
         if http.request_timeout_s is not None:
@@ -134,9 +139,12 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the clean-up short
             signal.signal(signum, signal.SIG_IGN)
-        _drain(config.gateway.drain_timeout_s)
-        _shutdown(serve, joined)
-        ray.shutdown()
+        if ray.is_initialized():
+            _drain(config.gateway.drain_timeout_s)
+            _shutdown(serve, joined)
+            ray.shutdown()
+        if head is not None:
+            head.stop()
         print("raylane: stopped", flush=True)
     return status
 

@@ -313,6 +313,11 @@ class Gateway:
             raise model_not_found(model_id)
         return Response(card.to_json(), media_type="application/json")
 
+    async def check_health(self) -> None:
+        """Serve's periodic replica check, on the replica's event loop: it starts the drain watcher of
+        a replica that has served nothing yet, so a drain need not wait its whole timeout for it."""
+        self.drain.start()
+
     @app.get("/health")
     async def health(self, request: Request) -> JSONResponse:
         """200 while every pool is up (`ok`, or `busy`: alive, too loaded to answer its probe in

@@ -40,7 +40,10 @@ class ReasoningParser:
         # Until the output's first characters show whether it opens with <think>: "start".
         self._after_start = "reasoning" if fmt == "deepseek_r1" else "content"
         self._state = "start"
-        self._held = ""
+        # Whitespace before the output's first other character, kept as pieces so that a long run
+        # of it costs linear time (it is joined once, when the next text decides what it is).
+        self._lead: list[str] = []
+        self._held = ""  # a tail that may begin a tag (at "start": a proper start of <think>)
         self._fed = 0  # characters fed so far
         self._strip = False  # drop whitespace at the start of the answer
         self.reasoning_end: int | None = None  # characters up to the end of `</think>`, once seen
@@ -53,12 +56,15 @@ class ReasoningParser:
         while True:
             if self._state == "start":
                 lead = buf.lstrip()
+                if len(lead) < len(buf):
+                    self._lead.append(buf[: len(buf) - len(lead)])
                 if lead.startswith(THINK_START):
-                    buf, self._state = lead[len(THINK_START) :], "reasoning"
+                    buf, self._state, self._lead = lead[len(THINK_START) :], "reasoning", []
                 elif THINK_START.startswith(lead):
+                    buf = lead
                     break  # whitespace or part of <think> so far: the next text decides
                 else:
-                    self._state = self._after_start
+                    buf, self._state, self._lead = "".join(self._lead) + lead, self._after_start, []
                 continue
             if self._state == "reasoning":
                 self.thought = True
@@ -84,7 +90,7 @@ class ReasoningParser:
 
     def finish(self) -> ReasoningSplit:
         """What was held back, at the end of the output: a partial tag is text of the part it is in."""
-        held, self._held = self._held, ""
+        held, self._held, self._lead = "".join(self._lead) + self._held, "", []
         if self._state == "reasoning":
             return ReasoningSplit(held, "")
         if self._state == "start" and self._after_start == "reasoning":

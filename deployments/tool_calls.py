@@ -23,8 +23,12 @@ CALL_END = "}\n</tool_call>"
 # Whitespace characters in a row inside constrained arguments: JSON as the template's `tojson` writes
 # it ({"a": 1, "b": 2}) fits, while a weak model cannot pad the arguments with runs of blanks.
 MAX_WHITESPACE = 1
+# A call's header ({"name": "...", "arguments": ) is looked for in this much of its body while it
+# streams in; one further away (only a model padding it with blanks) goes out when the call closes.
+MAX_HEADER_CHARS = 1024
+# Matched once per call on a bounded text: each quantifier is followed by a character it cannot
+# consume, so the match is linear (no nested or adjacent overlapping quantifiers).
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
-_WS_TAIL = re.compile(r"\s*$")
 
 
 @dataclass(slots=True)
@@ -89,7 +93,7 @@ def decode_call(body: str) -> ParsedToolCall | None:
     """One call's JSON ({"name", "arguments"}); None if it is not a valid call."""
     try:
         obj = json.loads(body)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # nesting deeper than the parser's stack is not a call
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -101,7 +105,7 @@ def decode_call(body: str) -> ParsedToolCall | None:
             if value == args:
                 raw = body[header.end() : end]
                 return ParsedToolCall(obj["name"], value if isinstance(value, str) else raw)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             pass
     return ParsedToolCall(
         obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
@@ -128,6 +132,12 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedToolCall]]:
 
 
 # -- parsing a stream --------------------------------------------------------------------------------
+#
+# Each `feed` costs time in the new text only (plus a few characters kept from before), so a stream
+# costs linear time in its length whatever the model writes: a text held back (a run of whitespace
+# that may precede `<tool_call>`, a call's body) is kept as a list of pieces and joined once when it
+# is released, and a call's arguments are scanned by a `JsonScanner` that keeps its state between
+# pieces. Only a call's header is matched with a regex, on at most `MAX_HEADER_CHARS` of its body.
 
 
 @dataclass(slots=True)
@@ -143,15 +153,55 @@ class ToolCallDelta:
     arguments: str = ""
 
 
+class JsonScanner:
+    """Finds where the JSON object/array that a text starts with ends, fed piece by piece."""
+
+    __slots__ = ("depth", "in_string", "escaped")
+
+    def __init__(self) -> None:
+        self.depth, self.in_string, self.escaped = 0, False, False
+
+    def feed(self, text: str) -> int | None:
+        """Index in `text` just past the value's end; None while it is still open."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return None
+
+
+def json_value_end(text: str) -> int | None:
+    """Index just past the JSON object/array that `text` starts with; None while it is incomplete."""
+    return JsonScanner().feed(text)
+
+
 @dataclass(slots=True)
 class _Call:
     index: int
     id: str = field(default_factory=new_call_id)
-    header_sent: bool = False
-    args_start: int = 0
-    args_sent: int = 0
-    args_done: bool = False
     gap: str | None = None  # whitespace before `<tool_call>` in content (None: after an earlier call)
+    parts: list[str] = field(default_factory=list)  # the body so far
+    tail: str = ""  # the body's last characters, where `</tool_call>` may have begun
+    head: str = ""  # the body's first MAX_HEADER_CHARS characters, while the header is not found
+    header_sent: bool = False
+    args_began: bool = False  # the arguments' first non-blank character was seen
+    args_scalar: bool = False  # not an object/array: it goes out whole, when the call closes
+    args_sent: int = 0
+    unsent: str = ""  # arguments held back: they may begin `</tool_call>`
+    args_done: bool = False
+    scanner: JsonScanner = field(default_factory=JsonScanner)
 
 
 class ToolCallStreamParser:
@@ -162,73 +212,96 @@ class ToolCallStreamParser:
     as it grows; the closing brace of the call object is never part of them."""
 
     def __init__(self) -> None:
-        self._buf = ""
         self._mode = "content"  # content | call | after
+        self._blank: list[str] = []  # held whitespace, in content or after a call
+        self._partial = ""  # held after `_blank`: a proper start of `<tool_call>`
         self._call: _Call | None = None
         self.num_calls = 0
 
     def feed(self, text: str) -> list[ContentDelta | ToolCallDelta]:
-        self._buf += text
         out: list[ContentDelta | ToolCallDelta] = []
-        while self._step(out):
-            pass
+        rest: str | None = text
+        while rest is not None:
+            rest = self._feed_call(rest, out) if self._mode == "call" else self._feed_text(rest, out)
         return out
 
     def finish(self) -> list[ContentDelta | ToolCallDelta]:
         """The text ended: release what was held back, close a call the model did not close."""
         out: list[ContentDelta | ToolCallDelta] = []
-        if self._mode == "content" and self._buf:
-            out.append(ContentDelta(self._buf))
+        if self._mode == "content" and (held := "".join(self._blank) + self._partial):
+            out.append(ContentDelta(held))
         elif self._mode == "call":
-            self._close_call(self._buf, closed=False, out=out)
-        self._buf = ""
+            self._close_call("".join(self._call.parts), closed=False, out=out)
+        self._blank, self._partial = [], ""
         return out
 
-    def _step(self, out: list) -> bool:
-        """Consume what can be consumed; True if another pass may consume more."""
-        if self._mode == "call":
-            end = self._buf.find(END)
-            if end < 0:
-                self._progress_call(out)
-                return False
-            body, self._buf = self._buf[:end], self._buf[end + len(END) :]
-            self._close_call(body, closed=True, out=out)
-            return True
-        start = self._buf.find(START)
+    def _feed_text(self, text: str, out: list) -> str | None:
+        """Content, or text after a call (dropped). The text after a `<tool_call>`, else None."""
+        buf = self._partial + text
+        start = buf.find(START)
         if start >= 0:
-            before = self._buf[:start]
-            if self._mode == "content" and (kept := before.rstrip()):
+            before = "".join(self._blank) + buf[:start]
+            kept = before.rstrip()
+            if self._mode == "content" and kept:
                 out.append(ContentDelta(kept))
-            gap = before[len(before.rstrip()) :] if self._mode == "content" else None
-            self._buf, self._mode = self._buf[start + len(START) :], "call"
+            gap = before[len(kept) :] if self._mode == "content" else None
+            self._blank, self._partial, self._mode = [], "", "call"
             self._call = _Call(index=self.num_calls, gap=gap)
-            return True
-        hold = _held_back(self._buf)
-        if self._mode == "content" and len(self._buf) > hold:
-            out.append(ContentDelta(self._buf[: len(self._buf) - hold]))
-        self._buf = self._buf[len(self._buf) - hold :]  # text between or after calls is dropped
-        return False
+            return buf[start + len(START) :]
+        hold = _partial_suffix(buf, START)
+        body, self._partial = buf[: len(buf) - hold], buf[len(buf) - hold :]
+        kept = body.rstrip()
+        if kept:  # text that cannot precede a call: the held whitespace goes out with it
+            if self._mode == "content":
+                out.append(ContentDelta("".join(self._blank) + kept))
+            self._blank = []
+        if len(body) > len(kept):
+            self._blank.append(body[len(kept) :])
+        return None
 
-    def _progress_call(self, out: list) -> None:
+    def _feed_call(self, text: str, out: list) -> str | None:
+        """A call's body. The text after its `</tool_call>`, else None."""
+        call = self._call
+        probe = call.tail + text
+        end = probe.find(END)
+        if end < 0:
+            call.parts.append(text)
+            call.tail = probe[-(len(END) - 1) :]
+            self._progress_call(text, out)
+            return None
+        cut = end - len(call.tail)  # where `</tool_call>` begins in `text`; < 0: in an earlier piece
+        body = "".join(call.parts)
+        body = body + text[:cut] if cut >= 0 else body[: len(body) + cut]
+        self._close_call(body, closed=True, out=out)
+        return probe[end + len(END) :]
+
+    def _progress_call(self, text: str, out: list) -> None:
         call = self._call
         if not call.header_sent:
-            header = _HEADER.match(self._buf)
+            if len(call.head) >= MAX_HEADER_CHARS:
+                return  # no header in reach: the call goes out whole when it closes
+            call.head += text[: MAX_HEADER_CHARS - len(call.head)]
+            header = _HEADER.match(call.head)
             if header is None:
                 return
-            call.header_sent, call.args_start = True, header.end()
+            call.header_sent = True
             out.append(ToolCallDelta(call.index, call.id, json.loads(f'"{header.group(1)}"')))
             self.num_calls += 1
-        raw = self._buf[call.args_start :]
-        if call.args_sent == 0:  # the header may have matched before the whitespace after its colon
-            blank = len(raw) - len(raw.lstrip())
-            call.args_start, raw = call.args_start + blank, raw[blank:]
-        if call.args_done or not raw or raw[0] not in "{[":
+            text = "".join(call.parts)[header.end() :]  # once per call
+        if not call.args_began:  # the header may have matched before the whitespace after its colon
+            text = text.lstrip()
+            if not text:
+                return
+            call.args_began, call.args_scalar = True, text[0] not in "{["
+        if call.args_done or call.args_scalar:
             return  # a scalar argument value goes out whole, when the call closes
-        end = json_value_end(raw)
-        upto = len(raw) if end is None else end
-        if upto > call.args_sent:
-            out.append(ToolCallDelta(call.index, arguments=raw[call.args_sent : upto]))
-            call.args_sent = upto
+        end = call.scanner.feed(text)
+        piece = call.unsent + (text if end is None else text[:end])
+        hold = _partial_suffix(piece, END) if end is None else 0  # `</tool_call>` may be coming
+        call.unsent = piece[len(piece) - hold :]
+        if piece := piece[: len(piece) - hold]:
+            out.append(ToolCallDelta(call.index, arguments=piece))
+            call.args_sent += len(piece)
         call.args_done = end is not None
 
     def _close_call(self, body: str, closed: bool, out: list) -> None:
@@ -238,6 +311,8 @@ class ToolCallStreamParser:
             if not call.header_sent and call.gap is not None:  # not a call after all: it was text
                 out.append(ContentDelta(call.gap + START + body + (END if closed else "")))
                 self._mode = "content"
+            elif call.unsent and not closed:  # held back as a possible `</tool_call>`: it was not
+                out.append(ToolCallDelta(call.index, arguments=call.unsent))
             return  # a call whose name went out keeps the arguments sent so far
         if not call.header_sent:
             out.append(ToolCallDelta(call.index, call.id, parsed.name))
@@ -246,31 +321,9 @@ class ToolCallStreamParser:
             out.append(ToolCallDelta(call.index, arguments=rest))
 
 
-def _held_back(text: str) -> int:
-    """Length of the tail that may begin a tool call: a prefix of START, with whitespace before it."""
-    for n in range(min(len(START) - 1, len(text)), 0, -1):
-        if START.startswith(text[-n:]):
-            return n + len(_WS_TAIL.search(text[:-n]).group(0))
-    return len(_WS_TAIL.search(text).group(0))
-
-
-def json_value_end(text: str) -> int | None:
-    """Index just past the JSON object/array that `text` starts with; None while it is incomplete."""
-    depth, in_string, escaped = 0, False, False
-    for i, ch in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0

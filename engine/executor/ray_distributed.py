@@ -32,6 +32,10 @@ from models.gguf import checkpoint_dir
 
 logger = logging.getLogger(__name__)
 
+# The raylane settings a rank reads (engine/, models/, parallel/), passed to its actor's runtime_env,
+# which Ray keeps in the GCS and shows in the dashboard and state API. Only these: never the
+# serving process's other variables, such as API keys (RAYLANE_API_KEYS, RAYLANE_API_KEY).
+RANK_ENV = ("RAYLANE_CACHE_DIR", "RAYLANE_DEMO_DIR", "RAYLANE_SYNC_COLLECTIVES")
 HEALTH_TIMEOUT_S = 10.0
 
 
@@ -76,7 +80,7 @@ class RayDistributedExecutor(Executor):
 
     def _start_workers(self, use_gpu: bool) -> None:
         actor_class = ray.remote(concurrency_groups={"health": 1})(RankWorker)
-        env = {k: v for k, v in os.environ.items() if k.startswith("RAYLANE_")}
+        env = {k: v for k, v in os.environ.items() if k in RANK_ENV}
         for rank in range(self.world_size):
             options = dict(
                 num_cpus=self.config.cpus_per_rank,

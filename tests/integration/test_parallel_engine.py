@@ -131,6 +131,41 @@ def test_actor_call_broadcast_gives_the_same_logits(ray_cluster, checkpoint):
         executor.shutdown()
 
 
+def test_ranks_get_raylane_settings_but_never_the_api_keys(ray_cluster, checkpoint, monkeypatch, tmp_path):
+    """A rank actor's runtime_env is kept in the GCS and shown by Ray's dashboard and state API, and
+    its process runs model code: the serving process's API keys must not be copied into it."""
+    import ray
+
+    monkeypatch.setenv("RAYLANE_API_KEYS", "sk-tenant-secret premium")  # api_keys.env in k8s/configs
+    monkeypatch.setenv("RAYLANE_API_KEY", "sk-ops-secret")  # the ops jobs' key
+    monkeypatch.setenv("RAYLANE_CACHE_DIR", str(tmp_path))  # a setting the ranks read
+    # A runtime_env of its own means fresh worker processes (torch imports): on a loaded machine
+    # they take longer than the default minute to come up.
+    config = EngineConfig(
+        model=checkpoint("llama"),
+        num_kv_blocks=16,
+        tensor_parallel_size=2,
+        cpus_per_rank=CPUS_PER_RANK,
+        placement_timeout_s=300,
+    )
+    executor = RayDistributedExecutor(config, compiled_graph=False)
+
+    def seen(_worker) -> tuple[dict, dict]:
+        import os
+
+        env = {k: v for k, v in os.environ.items() if k.startswith("RAYLANE_")}
+        return env, ray.get_runtime_context().runtime_env.get("env_vars", {})
+
+    try:
+        for worker in executor.workers:
+            env, runtime_env = ray.get(worker.__ray_call__.remote(seen))
+            assert env.get("RAYLANE_CACHE_DIR") == str(tmp_path)
+            for secret in ("sk-tenant-secret premium", "sk-ops-secret"):
+                assert secret not in env.values() and secret not in runtime_env.values()
+    finally:
+        executor.shutdown()
+
+
 # --- failures ----------------------------------------------------------------------------
 
 

@@ -196,16 +196,18 @@ def test_gpu_worker_groups_follow_the_pools():
             assert groups[f"pool-{pool}"]["resources"] == {resource: "1"}
             bundle_gpus = sum(b.get("GPU", 0) for b in deployment["placement_group_bundles"])
             assert bundle_gpus == gpus[f"pool-{pool}"]
-    # the checkpoints' PVC and the API-key Secret file are mounted in every pod
+    # the checkpoints' PVC is mounted in every pod but the gateway's, the API-key Secret file in the
+    # gateway's only (tests/reliability/test_k8s_exposure.py)
     for spec in [
         cluster["headGroupSpec"]["template"]["spec"],
         *(g["template"]["spec"] for g in groups.values()),
     ]:
         assert spec["securityContext"]["runAsNonRoot"] is True
         mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
-        assert mounts["api-keys"] == "/etc/raylane/api-keys"
-        if spec is not groups["gateway"]["template"]["spec"]:
-            assert mounts["models"] == "/models"
+        if spec is groups["gateway"]["template"]["spec"]:
+            assert mounts["api-keys"] == "/etc/raylane/api-keys"
+        else:
+            assert mounts["models"] == "/models" and "api-keys" not in mounts
 
 
 def test_network_policy_opens_only_the_http_port():
@@ -258,3 +260,15 @@ def test_render_refuses_what_a_manifest_cannot_hold(tmp_path, capsys):
     (tmp_path / "haproxy.yaml").write_text(yaml.safe_dump(haproxy))
     assert main(["k8s", "render", "--config", str(tmp_path / "haproxy.yaml")]) == 2
     assert "http.ingress" in capsys.readouterr().err
+
+
+def test_render_refuses_to_give_the_public_demo_key_a_privileged_tier(tmp_path, capsys):
+    from cluster.cli import main
+
+    demo = yaml.safe_load((K8S / "configs" / "cpu-demo.yaml").read_text())
+    demo["api_keys"]["default_tier"] = "premium"  # top priority, no rate limit
+    (tmp_path / "demo.yaml").write_text(yaml.safe_dump(demo))
+    argv = ["k8s", "render", "--config", str(tmp_path / "demo.yaml"), "--base", str(K8S / "base")]
+    assert main([*argv, "--out", str(tmp_path / "out"), "--demo-secret"]) == 2
+    assert "api_keys.default_tier: 'premium' is privileged" in capsys.readouterr().err
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 0  # no public key: the tier is the config's

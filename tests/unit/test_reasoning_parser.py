@@ -110,3 +110,17 @@ def test_any_chunking_gives_the_same_split():
 def test_unknown_format_is_refused():
     with pytest.raises(ValueError, match="qwen3, deepseek_r1"):
         ReasoningParser("granite")
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("fmt", ["qwen3", "deepseek_r1"])
+def test_long_blank_run_at_the_start_parses_in_linear_time(fmt):
+    """A model that writes 200 KB of blanks before anything else, one per token: the parser holds
+    them until the next text decides what they are, without re-reading them on every token (the
+    old parser did, taking seconds per 100 KB and growing with the square)."""
+    blanks = " \n" * 100_000
+    reasoning, content, _ = stream(fmt, list(blanks) + ["<think>", "x", "</think>", "y"])
+    assert (reasoning, content) == ("x", "y")
+    reasoning, content, _ = stream(fmt, list(blanks) + ["The answer."])
+    expected = ("", blanks + "The answer.") if fmt == "qwen3" else (blanks + "The answer.", "")
+    assert (reasoning, content) == expected
