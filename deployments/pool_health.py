@@ -3,11 +3,12 @@
 A background loop asks each pool for its stats every `gateway.pool_health_period_s`. That call
 goes through the pool's DeploymentHandle, so at a peak it waits for a free slot
 (`max_ongoing_requests`) behind the streams being served: its silence says the pool is busy, not
-that it is down. So a probe that times out is only a question, answered by Ray and Serve rather
-than by the pool's event loop (`replicas_alive`): the pool is down when Serve reports no replica
-RUNNING, or none of its replica actors is still alive in Ray's actor table (a dead process, or one
-on a node Ray has declared dead). A busy pool keeps its traffic, and /health shows it as `busy`
-with the load it last reported. A probe that fails with an error, twice, means down as before.
+that it is down. So a probe that times out is only a question, answered by Ray and Serve and by the
+replica processes outside the slot queue (`replicas_alive`): the pool is down when Serve reports no
+replica RUNNING, when none of its replica actors is left in Ray's actor table (a dead process, or
+one on a node Ray has declared dead), or when none answers a ping (a hung process). A busy pool
+keeps its traffic, and /health shows it as `busy` with the load it last reported. A probe that
+fails with an error, twice, means down as before.
 
 A pool found down is skipped by the router and its outage wakes the requests waiting for its
 first item, so they fall back. /health answers from the view of the last check (`view`): a call
@@ -49,12 +50,12 @@ def serve_liveness(app_name: str) -> Liveness:
 
 
 def replicas_alive(app_name: str, deployment: str) -> bool:
-    """Whether Serve has a RUNNING replica of `deployment` and Ray still lists one of its replica
-    actors as alive. Both are control-plane reads (Serve's controller, Ray's GCS), answered whatever
-    the replicas are doing. Serve's view lags a death by up to its health-check period; Ray drops a
-    dead actor's name at once (and a dead node's actors once it declares the node dead), so the two
-    together say "gone" as soon as either knows. Replica actors are named
-    `SERVE_REPLICA::<app>#<deployment>#<id>` in the `serve` namespace."""
+    """Whether Serve has a RUNNING replica of `deployment` and one of its replica actors answers a
+    ping. Serve's view (its controller) lags a death by up to its health-check period; Ray drops a
+    dead actor's name at once (and a dead node's actors once it declares the node dead); the ping,
+    `get_num_ongoing_requests`, is Serve's own method, answered by the replica's event loop between
+    tasks without waiting for a request slot, so a busy replica answers it and a hung one does not.
+    Replica actors are named `SERVE_REPLICA::<app>#<deployment>#<id>` in the `serve` namespace."""
     import ray
     from ray import serve
 
@@ -63,7 +64,24 @@ def replicas_alive(app_name: str, deployment: str) -> bool:
     if status is None or status.replica_states.get("RUNNING", 0) == 0:
         return False
     prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
-    return any(a["name"].startswith(prefix) for a in ray.util.list_named_actors(all_namespaces=True))
+    pings = []
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith(prefix):
+            try:
+                replica = ray.get_actor(actor["name"], namespace=actor["namespace"])
+            except ValueError:  # gone since the listing
+                continue
+            pings.append(replica.get_num_ongoing_requests.remote())
+    while pings:
+        ready, pings = ray.wait(pings, num_returns=1, timeout=HEALTH_TIMEOUT_S)
+        if not ready:
+            return False  # none answered in time: hung (or on a node not yet declared dead)
+        try:
+            ray.get(ready[0])
+            return True
+        except Exception:  # that one died: maybe another answers
+            continue
+    return False
 
 
 class PoolOutage(Exception):

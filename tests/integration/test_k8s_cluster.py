@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.live_servers import free_port, stop_processes_mentioning
+from tests.live_servers import free_port, stop_processes_mentioning, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "sk-k8s-test"
@@ -173,6 +173,16 @@ def smoke(cluster: LocalCluster, *extra: str) -> tuple[str, str]:
     return cluster.submit("python -m cluster.jobs.smoke " + " ".join(args))
 
 
+def pool_status(url: str, pool: str) -> str | None:
+    request = urllib.request.Request(f"{url}/health", headers={"Authorization": f"Bearer {API_KEY}"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            body = json.load(r)
+    except urllib.error.HTTPError as e:
+        body = json.load(e)
+    return body.get("pools", {}).get(pool, {}).get("status")
+
+
 def test_smoke_job_passes_then_fails_on_a_broken_pool(deployed):
     no_routes = () if routes_supported(deployed.url) else ("--no-routes",)
     status, logs = smoke(deployed, *no_routes)
@@ -186,6 +196,8 @@ def test_smoke_job_passes_then_fails_on_a_broken_pool(deployed):
     (replica,) = deployed.app()["deployments"]["ModelPool:chat"]["replicas"]
     os.kill(replica["pid"], signal.SIGSTOP)
     try:
+        # /health answers from the gateway's last check: the smoke job runs once that has found it.
+        wait_until(lambda: pool_status(deployed.url, "chat") == "unavailable", 120, "chat found hung")
         status, logs = smoke(deployed, "--timeout", "10", *no_routes)
         assert status == "FAILED", logs
         assert "FAIL  /health" in logs and "FAIL  pool chat" in logs

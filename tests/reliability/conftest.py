@@ -116,3 +116,17 @@ def replica_rss_mb(app: str) -> dict[str, float]:
             continue
         out[name] = out.get(name, 0.0) + rss_kb / 1024
     return out
+
+
+def resumptions(url: str) -> float:
+    """Streams the app at `url` resumed on another replica or pool, from its /metrics."""
+    import httpx2
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx2.get(f"{url}/metrics", timeout=60).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "raylane_stream_resumptions_total"
+    )

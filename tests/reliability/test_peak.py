@@ -21,9 +21,8 @@ import time
 
 import httpx2
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.reliability.conftest import deployed, ongoing, replica_names
+from tests.reliability.conftest import deployed, ongoing, replica_names, resumptions
 
 STREAMS, MAX_TOKENS = 300, 32
 KEYS = {"standard": "rel-peak-standard", "premium": "rel-peak-premium"}
@@ -214,14 +213,4 @@ def test_a_peak_with_a_replica_killed_halfway_loses_nothing(two_replicas, report
         status_5xx=0,
         resumed=int(resumptions(two_replicas)),
         **premium_figures(premium),
-    )
-
-
-def resumptions(url: str) -> float:
-    text = httpx2.get(f"{url}/metrics", timeout=60).text
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "raylane_stream_resumptions_total"
     )

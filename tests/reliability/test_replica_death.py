@@ -14,14 +14,19 @@ import json
 import threading
 import time
 
-import httpx2
 import jsonschema
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.live_servers import wait_until
-from tests.reliability.conftest import deployed, llama_pool, ongoing, replica_names, running_replicas
+from tests.reliability.conftest import (
+    deployed,
+    llama_pool,
+    ongoing,
+    replica_names,
+    resumptions,
+    running_replicas,
+)
 
 APP = "rel-replicas"
 STREAMS, LATE, TOKENS = 16, 16, 200
@@ -52,16 +57,6 @@ def primary_replicas() -> list[str]:
 
 def running_primary_replicas() -> int:
     return running_replicas(APP, "ModelPool:primary")
-
-
-def resumptions(url: str) -> float:
-    text = httpx2.get(f"{url}/metrics", timeout=60).text
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "raylane_stream_resumptions_total" and s.labels.get("pool") in ("primary", "backup")
-    )
 
 
 class Outcome:

@@ -74,14 +74,14 @@ def test_ordinary_outputs_parse_the_same_streamed_and_whole(text, content, calls
         assert streamed(text, step) == ((content or "") if calls else text, calls)
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(10, func_only=True)  # a session teardown after it is not its time
 def test_long_blank_run_before_text_parses_in_linear_time():
     text = " \n" * (N // 2) + "x"  # a run that may precede <tool_call> until "x" says it does not
     assert whole(text) == (text, [])
     assert streamed(text, 1) == (text, [])
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(10, func_only=True)  # a session teardown after it is not its time
 def test_long_blank_run_before_a_call_is_dropped_in_linear_time():
     call = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
     text = "Answer." + " " * N + call
@@ -89,7 +89,7 @@ def test_long_blank_run_before_a_call_is_dropped_in_linear_time():
     assert streamed(text, 1) == ("Answer.", [("f", '{"a": 1}')])
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(10, func_only=True)  # a session teardown after it is not its time
 def test_long_arguments_stream_in_linear_time():
     args = json.dumps({"text": "x" * N, "list": [[{}] * 3] * 1000})
     text = f'<tool_call>\n{{"name": "f", "arguments": {args}}}\n</tool_call>'
@@ -97,7 +97,7 @@ def test_long_arguments_stream_in_linear_time():
     assert whole(text) == (None, [("f", args)])
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(10, func_only=True)  # a session teardown after it is not its time
 def test_unclosed_and_repeated_tags_stay_text_in_linear_time():
     text = "<tool_call>{" * (N // 12)
     assert whole(text) == (text, [])
@@ -107,14 +107,14 @@ def test_unclosed_and_repeated_tags_stay_text_in_linear_time():
     assert streamed(text, 3) == (text, [])
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(10, func_only=True)  # a session teardown after it is not its time
 def test_header_far_into_a_call_goes_out_when_it_closes():
     text = "<tool_call>{" + " " * N + '"name": "f", "arguments": {"a": [1]}}</tool_call>'
     assert whole(text) == (None, [("f", '{"a": [1]}')])
     assert streamed(text, 4) == ("", [("f", '{"a": [1]}')])
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(10, func_only=True)  # a session teardown after it is not its time
 @pytest.mark.parametrize("opener", ["[", "{"])
 def test_nesting_deeper_than_the_json_parser_is_not_an_error(opener):
     deep = opener * (N // 2)  # json.loads raises RecursionError at about a thousand levels
