@@ -52,6 +52,7 @@ def make_cluster_config(demo_models: dict, port: int):
                     "served_model_name": "raylane-llama-tiny",
                     "engine": engine,
                     "max_n": 4,
+                    "grammar_compile_timeout_s": 3.0,  # test_bad_input's costly grammar, well past it
                 },
                 {
                     "name": "reasoning",

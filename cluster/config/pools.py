@@ -136,6 +136,13 @@ class PoolConfig(StrictModel):
         False, description="Reserve one GPU per rank (set on GPU nodes); implied by engine.device: cuda."
     )
     max_n: int = Field(16, ge=1, le=128, description="Largest `n` (choices per request) the pool accepts.")
+    grammar_compile_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="Longest a client's grammar (JSON schema, regex, EBNF, forced tool call) may compile in "
+        "the pool's worker process; past it the worker is stopped and the request is a 400 "
+        "`grammar_too_complex`.",
+    )
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
         None,
         description="The model's thinking markup (<think>...</think>), parsed out of the answer into "
