@@ -97,10 +97,13 @@ class PoolHealth:
         self.outages: dict[str, asyncio.Event] = {}  # set while the health loop finds the pool down
         self.view: dict[str, dict] = {}  # each pool's status as the last check found it
         self._last_stats: dict[str, tuple[float, dict]] = {}  # (when, stats) of each pool's last answer
+        self._checked: asyncio.Event | None = None  # set once the first check has finished
         self._watcher: asyncio.Task | None = None
 
     def watch(self) -> None:
         """Start the health loop (lazily: it needs the replica's running event loop)."""
+        if self._checked is None:
+            self._checked = asyncio.Event()
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
@@ -114,8 +117,11 @@ class PoolHealth:
             await asyncio.sleep(min(self.period_s, DOWN_RECHECK_S) if down else self.period_s)
 
     async def current(self) -> dict[str, dict]:
-        """The last check's view (a fresh check only before the first one has finished)."""
-        return self.view if len(self.view) == len(self.pools) else await self.check()
+        """The last check's view; before the first check has finished, wait for it (every caller
+        waits for the same one: /health never fans out to the pools itself)."""
+        self.watch()
+        await self._checked.wait()
+        return self.view
 
     async def check(self) -> dict[str, dict]:
         """Each pool's status and load; the router skips pools found down."""
@@ -131,6 +137,8 @@ class PoolHealth:
             elif outage.is_set():
                 self.outages[name] = asyncio.Event()
         self.view = pools
+        if self._checked is not None:
+            self._checked.set()
         return pools
 
     async def _status(self, pool: str) -> dict:

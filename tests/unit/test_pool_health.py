@@ -94,3 +94,17 @@ async def test_a_pool_found_down_is_checked_again_soon_not_a_whole_period_later(
         assert health.view["chat"]["status"] == "ok" and not health.outages["chat"].is_set()
     finally:
         health._watcher.cancel()
+
+
+async def test_health_calls_before_the_first_check_share_it():
+    """/health never fans out to the pools itself: callers before the first check wait for the loop's."""
+    pool = Pool()
+    calls = []
+    remote = pool.remote
+    pool.remote = lambda: calls.append(1) or remote()
+    health = PoolHealth({"chat": pool}, None, 60.0, liveness(True))
+    try:
+        views = await asyncio.gather(*(health.current() for _ in range(10)))
+        assert all(v["chat"]["status"] == "ok" for v in views) and len(calls) == 1
+    finally:
+        health._watcher.cancel()
