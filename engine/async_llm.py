@@ -19,6 +19,7 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 from cluster.config import EngineConfig
 from engine.core_messages import (
@@ -33,14 +34,15 @@ from engine.core_messages import (
     RunInEngine,
     RunResult,
 )
-from engine.core_thread import EngineCoreThread
 from engine.errors import EngineDeadError
-from engine.llm_engine import LLMEngine
 from engine.output_collector import RequestOutputCollector
 from engine.outputs import RequestOutput
 from engine.request import Resumption
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:  # the model and its torch/transformers imports load only where the engine runs
+    from engine.llm_engine import LLMEngine
 
 
 class AsyncLLM:
@@ -61,6 +63,8 @@ class AsyncLLM:
             self._core = EngineCoreProc(self.config, on_events)
             self.engine: LLMEngine | None = None  # it lives in the core process
         else:
+            from engine.core_thread import EngineCoreThread
+
             self._core = EngineCoreThread(self.config, placement_group, on_events)
             self.engine = self._core.engine
         self._finalizer = weakref.finalize(self, self._core.shutdown)
@@ -70,6 +74,11 @@ class AsyncLLM:
                 if self.engine is not None
                 else load_tokenizer(self.config.tokenizer or self.config.model)
             )
+        except BaseException:
+            self._finalizer()
+            raise
+        try:
+            self._core.wait_ready()  # a core process loaded the model while the tokenizer loaded here
         except BaseException:
             self._finalizer()
             raise

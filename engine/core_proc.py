@@ -111,6 +111,8 @@ class EngineCoreProc:
     from a reader thread. If the child dies, `on_events` gets a last `EngineDied`."""
 
     def __init__(self, config: EngineConfig, on_events: Callable[[list[Event]], None]):
+        """Starts the child and hands it `config`; it loads the model while this process goes on
+        (the caller loads its tokenizer meanwhile); `wait_ready` waits for it."""
         import torch
 
         mine, theirs = socket.socketpair()
@@ -121,8 +123,16 @@ class EngineCoreProc:
         theirs.close()
         self._conn = Connection(mine.detach())
         self._conn.send_bytes(_dumps(StartCore(config, torch.get_num_threads())))
+        self._on_events = on_events
+        self._send_lock = threading.Lock()
+        self._closing = False
+        self.max_model_len: int | None = None
+
+    def wait_ready(self) -> None:
+        """Until the child has loaded the model (its `max_model_len` is set then); its load error,
+        or EngineDeadError if it died."""
         try:
-            started = pickle.loads(self._conn.recv_bytes())  # blocks while the child loads the model
+            started = pickle.loads(self._conn.recv_bytes())
         except (EOFError, OSError):
             raise EngineDeadError(
                 f"engine core process exited while loading (exit code {self.process.wait(5)})"
@@ -130,11 +140,9 @@ class EngineCoreProc:
         if isinstance(started, CoreFailed):
             self.process.wait(5)
             raise started.error
-        self.max_model_len: int = started.max_model_len
-        self._send_lock = threading.Lock()
-        self._closing = False
+        self.max_model_len = started.max_model_len
         self._reader = threading.Thread(
-            target=self._read, args=(on_events,), name="raylane-engine-events", daemon=True
+            target=self._read, args=(self._on_events,), name="raylane-engine-events", daemon=True
         )
         self._reader.start()
 
@@ -165,10 +173,11 @@ class EngineCoreProc:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._closing = True
+        grace = timeout if self.max_model_len is not None else 0  # still loading: no work to finish
         with contextlib.suppress(EngineDeadError):
             self.submit(Shutdown())
         try:
-            self.process.wait(timeout)
+            self.process.wait(grace)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(timeout)

@@ -24,6 +24,9 @@ class EngineCoreThread:
         self._thread = threading.Thread(target=loop.run, name="raylane-engine", daemon=True)
         self._thread.start()
 
+    def wait_ready(self) -> None:
+        """Ready once constructed: the engine loaded on this thread."""
+
     def submit(self, command: Command) -> None:
         self._commands.put(command)
 

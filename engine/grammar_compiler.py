@@ -12,23 +12,28 @@ it, and a pool compiles it there (`GrammarCompileService.prepare`) with the engi
 info and hands the serialized result to the engine in `StructuredOutputParams.compiled`, which the
 engine deserializes (bounded by `MAX_COMPILED_BYTES`) instead of compiling.
 
-The bound: `GRAMMAR_TIMEOUT_S` per check and per compile, on one core of the worker; the text
-itself is at most `structured_output.MAX_GRAMMAR_CHARS`. `raylane bench grammar-bound`
+The bound: `GRAMMAR_TIMEOUT_S` of the worker's CPU time per check and per compile (so a grammar that
+is fine when the machine is idle is fine at a peak too), and `WALL_FACTOR` times that in wall-clock
+time whatever the load; the text itself is at most `structured_output.MAX_GRAMMAR_CHARS`. The
+worker runs at a lower CPU priority (`WORKER_NICE`) than serving: a client's grammars take what the
+cores leave, not a share of every other tenant's tokens. `raylane bench grammar-bound`
 measures what a catastrophic grammar costs its caller and what the next grammar pays for a fresh
-worker. Calls wait their turn for the worker, each delaying the ones behind it by up to
-`GRAMMAR_TIMEOUT_S`, so the queue is bounded, in all (`max_pending`) and per API key
-(`max_pending_per_key`): a call that finds either full is refused at once with `GrammarBusy`
-(the gateway's 429 with Retry-After), never queued silently. So one key sending costly grammars
-delays another key's grammar by at most `max_pending_per_key` x `GRAMMAR_TIMEOUT_S`, and no call
-waits longer than `max_pending` x `GRAMMAR_TIMEOUT_S`.
+worker. Calls wait their turn for the worker, each delaying the ones behind it by up to its bound
+(`GRAMMAR_TIMEOUT_S` on an idle machine), so the queue is bounded, in all (`max_pending`) and per
+API key (`max_pending_per_key`): a call that finds either full is refused at once with
+`GrammarBusy` (the gateway's 429 with Retry-After), never queued silently. So one key sending costly
+grammars delays another key's grammar by at most `max_pending_per_key` bounds, and no call waits
+longer than `max_pending` bounds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.forkserver
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -36,6 +41,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 GRAMMAR_TIMEOUT_S = 5.0  # one check or compile, CPU time of one core in the worker
+WALL_FACTOR = 4  # and at most this many times its CPU bound in wall-clock time
+WORKER_NICE = 10  # the workers' niceness, added to their parent's
 MAX_PENDING = 16  # calls queued or running in one worker, all keys
 MAX_PENDING_PER_KEY = 2  # of which one API key's
 POOL_MAX_PENDING = 64  # a pool's compile worker: the calls of all its gateways
@@ -130,7 +137,7 @@ class BoundedWorker:
         if self._process is None or not self._process.is_alive():
             self._start()
         self._conn.send((fn, args))
-        if not self._conn.poll(timeout_s):
+        if not self._answered_within(timeout_s):
             self._kill()
             self.restarts += 1
             raise GrammarTimeout(f"not done within {timeout_s:g} s")
@@ -138,6 +145,20 @@ class BoundedWorker:
         if not ok:
             raise value
         return value
+
+    def _answered_within(self, timeout_s: float) -> bool:
+        """Whether the worker answers before it has used `timeout_s` of CPU time, and within
+        `WALL_FACTOR` x `timeout_s` of wall-clock time (where its CPU time cannot be read: `timeout_s`)."""
+        pid = self._process.pid
+        start = _cpu_seconds(pid)
+        if start is None:
+            return self._conn.poll(timeout_s)
+        deadline = time.monotonic() + WALL_FACTOR * timeout_s
+        while not self._conn.poll(CPU_POLL_S):
+            used = _cpu_seconds(pid)
+            if used is None or used - start >= timeout_s or time.monotonic() >= deadline:
+                return self._conn.poll(0)
+        return True
 
     def _start(self) -> None:
         ctx = _context(self.preload)
@@ -164,6 +185,20 @@ class BoundedWorker:
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
         self._kill()
+
+
+CPU_POLL_S = 0.05  # how often a waiting call reads its worker's CPU time
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` (Linux /proc); None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime: fields 14, 15 of stat(5)
 
 
 _ctx_lock = threading.Lock()
@@ -198,6 +233,8 @@ def start_forkserver(preload: tuple[str, ...] = COMPILE_PRELOAD) -> None:
 
 
 def _serve(conn, initializer, initargs) -> None:
+    with contextlib.suppress(OSError):
+        os.nice(WORKER_NICE)
     if initializer is not None:
         initializer(*initargs)
     conn.send("ready")

@@ -1,20 +1,26 @@
 """Model definitions on the parallel layers, and Hugging Face checkpoint loading.
 
-The engine needs only `load_model`; see `DecoderForCausalLM` for the model interface.
+The engine needs only `load_model`; see `DecoderForCausalLM` for the model interface. The names load
+on first use (PEP 562), so a serving process that needs only `models.gguf` (the tokenizer's
+checkpoint lookup) does not import the model code and transformers' model utilities with it.
 """
 
-from models.attention import Attention, AttentionMetadata, build_attention_metadata
-from models.decoder import DecoderForCausalLM
-from models.loader import MissingWeightError, load_model
-from models.registry import MODEL_REGISTRY, UnsupportedModelError
+import importlib
 
-__all__ = [
-    "MODEL_REGISTRY",
-    "Attention",
-    "AttentionMetadata",
-    "DecoderForCausalLM",
-    "MissingWeightError",
-    "UnsupportedModelError",
-    "build_attention_metadata",
-    "load_model",
-]
+_EXPORTS = {
+    "Attention": "models.attention",
+    "AttentionMetadata": "models.attention",
+    "build_attention_metadata": "models.attention",
+    "DecoderForCausalLM": "models.decoder",
+    "MissingWeightError": "models.loader",
+    "load_model": "models.loader",
+    "MODEL_REGISTRY": "models.registry",
+    "UnsupportedModelError": "models.registry",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'models' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,6 +1,8 @@
 """Scheduling behaviour a user notices: batching, prefix reuse, preemption, abort, priority, seeds."""
 
 import asyncio
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -310,6 +312,21 @@ def test_engine_core_process_ends_with_its_engine(llama):
     assert process.poll() is None
     engine.shutdown()
     assert process.poll() == 0
+
+
+def test_a_checkpoint_the_core_process_cannot_load_is_the_callers_error(llama, tmp_path):
+    """The core process loads the model while the serving process loads the tokenizer: its load error
+    still reaches the caller as raised, and the process does not outlive the failed start."""
+    import shutil
+    import subprocess
+
+    shutil.copy(Path(llama) / "config.json", tmp_path / "config.json")  # no weights
+    with pytest.raises(FileNotFoundError, match="model weights not found"):
+        AsyncLLM(model=str(tmp_path), num_kv_blocks=64, engine_core="process")
+    children = subprocess.run(
+        ["pgrep", "-P", str(os.getpid()), "-f", "engine.core_proc"], capture_output=True, text=True
+    )
+    assert children.stdout == "", children.stdout
 
 
 def test_engine_core_process_needs_the_in_process_executor(llama):

@@ -89,3 +89,40 @@ def test_a_pools_full_compile_queue_is_the_clients_429_with_retry_after():
     response = error_response(error, {"x-raylane-pool": "chat"})
     assert response.status_code == 429 and response.headers["retry-after"] == "8"
     assert response.headers["x-raylane-pool"] == "chat"
+
+
+BOUND_S = 0.5
+
+
+def burn(seconds: float) -> None:
+    """CPU work for `seconds` of the process's own CPU time."""
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def test_the_bound_is_the_workers_cpu_time_and_it_runs_below_serving():
+    """A grammar is judged by the CPU it takes, not by how loaded the machine is: a call that waits
+    (here it sleeps, as a worker starved of CPU at a peak would) past its bound in wall-clock time
+    still gets its answer, within `WALL_FACTOR` x the bound; one that computes past its bound is
+    killed. And the worker runs niced, below the serving processes."""
+    import os
+
+    from engine.grammar_compiler import WALL_FACTOR, WORKER_NICE, GrammarTimeout
+
+    async def main() -> None:
+        worker = BoundedWorker(timeout_s=BOUND_S, preload=("time",))
+        try:
+            assert await worker.run(os.nice, 0) >= os.nice(0) + WORKER_NICE
+            await worker.run(time.sleep, 2 * BOUND_S)  # wall-clock time, no CPU: within the bound
+            assert worker.restarts == 0
+            with pytest.raises(GrammarTimeout):
+                await worker.run(time.sleep, WALL_FACTOR * BOUND_S + 1)  # past the wall-clock bound
+            with pytest.raises(GrammarTimeout):
+                await worker.run(burn, 30.0)
+            assert worker.restarts == 2
+            assert await worker.run(os.getpid) > 0  # a fresh worker serves the next call
+        finally:
+            worker.close()
+
+    asyncio.run(main())

@@ -91,3 +91,20 @@ def test_parallel_imports_only_parallel():
         (m, i) for m in graph if m.startswith("parallel.") for i in graph[m] if not i.startswith("parallel")
     }
     assert not outside, sorted(outside)
+
+
+def test_a_pool_replica_does_not_import_the_model_its_engine_core_process_runs():
+    """A replica's Python imports the serving side; the model, runner and their transformers/torch
+    modules load only in the engine core process. Both import in turn when a replica restarts, so
+    each module the replica drags along lengthens a recovery (`raylane bench recovery`)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, deployments.model_pool; "
+        "print(sorted(m for m in sys.modules if m.startswith(('models.', 'engine.')) "
+        "and m.split('.')[1] in ('decoder', 'loader', 'model_runner', 'llm_engine', 'engine_loop')))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout
