@@ -130,6 +130,7 @@ class Dispatcher:
             except RouterError as e:
                 headers = plan.headers() | {"x-request-id": request_id}
                 if isinstance(e, ContextLengthError) and rejected is not None:
+                    plan.charge.settle_error(rejected.status)
                     return error_response(rejected, headers)
                 logger.info("request %s (%s) not served: %s", request_id, principal.key_id, e)
                 return JSONResponse(e.to_openai(), status_code=e.status, headers=headers | e.headers())
@@ -166,6 +167,7 @@ class Dispatcher:
             headers = plan.headers() | {"x-request-id": request_id}
             if isinstance(first, OpenAIError):  # the client's (4xx): answered as it is
                 slot.client_error()
+                plan.charge.settle_error(first.status)
                 return error_response(first, headers)
             if not streaming:
                 final = first if isinstance(first, FinalItem) else FinalItem(first)

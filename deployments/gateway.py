@@ -115,23 +115,24 @@ class Draining(OpenAIError):
         )
 
 
-def _refund(request: Request) -> None:
-    """A request answered with an error before it was served gives back its up-front token charge."""
+def _refund(request: Request, status: int) -> None:
+    """A request answered with an error (HTTP `status`) before it was served gives back its up-front
+    token charge: all of it, or, the client's error, all but its prompt's (`RateCharge.settle_error`)."""
     charge = getattr(request.state, "rate_charge", None)
     if charge is not None:
-        charge.settle(0)
+        charge.settle_error(status)
 
 
 @app.exception_handler(OpenAIError)
 async def _openai_error(request: Request, error: OpenAIError) -> JSONResponse:
-    _refund(request)
+    _refund(request, error.status)
     headers = {"retry-after": str(RETRY_AFTER_S)} if isinstance(error, Draining) else None
     return error_response(error, headers)
 
 
 @app.exception_handler(RouterError)
 async def _router_error(request: Request, error: RouterError) -> JSONResponse:
-    _refund(request)
+    _refund(request, error.status)
     return JSONResponse(error.to_openai(), status_code=error.status, headers=error.headers())
 
 
@@ -143,7 +144,7 @@ async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse
 
 @app.exception_handler(Exception)
 async def _unexpected(request: Request, error: Exception) -> JSONResponse:
-    _refund(request)
+    _refund(request, 500)
     logger.exception("unhandled error in the gateway")
     return error_response(internal_error())
 
@@ -355,7 +356,9 @@ class Gateway:
     async def read_charged(self, request: Request, principal: Principal) -> bytes:
         """The body's bytes (413 past the limit), charged to the key's rate limit before anything
         reads them: one request and the prompt's estimate, `PROMPT_BYTES_PER_TOKEN` bytes a token
-        (429 when over it). A key over its limit costs this replica a bounded read and a look-up."""
+        (429 when over it). A key already over its limit costs this replica a look-up: its body is
+        not read."""
+        self.router.precheck_rate(principal)  # a key over its limits: 429 without reading its body
         body = await read_body(request, self.config.gateway.max_request_body_bytes)
         request.state.rate_charge = self.router.check_rate(principal, len(body) // PROMPT_BYTES_PER_TOKEN)
         return body

@@ -135,6 +135,12 @@ class Router:
         (429) charging nothing. Settle the charge with the tokens used when the request ends."""
         return self.rate_limiter.check(principal.key_id, principal.tier, tokens)
 
+    def precheck_rate(self, principal: Principal) -> None:
+        """429 at once for a key that could not send any request now (over its rate limits, or at its
+        tier's `max_concurrent_per_key`); charges nothing. The gateway asks before reading a body."""
+        self.rate_limiter.precheck(principal.key_id, principal.tier)
+        self.admission.check_key_cap(principal.tier, principal.key_id)
+
     def charge_more(self, principal: Principal, charge: RateCharge, tokens: int) -> None:
         """Add `tokens` (what the request may generate: max_tokens x n) to its charge, or 429."""
         self.rate_limiter.charge_more(charge, principal.key_id, principal.tier, tokens)

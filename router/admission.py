@@ -133,7 +133,7 @@ class AdmissionController:
     def try_acquire(self, pool: str, tier: TierConfig, key: str = "") -> Ticket | None:
         """A slot now if the tier may take one, else None. (After every release the waiters that may
         take a slot have one, so a free slot here is not owed to anybody waiting.)"""
-        self._check_key_cap(pool, tier, key)
+        self.check_key_cap(tier, key, pool)
         p = self._pools[pool]
         if self._may_take(p, tier):
             self._take(p, tier, key)
@@ -214,14 +214,17 @@ class AdmissionController:
             heapq.heappush(due, now + wait)
         return wait
 
-    def _check_key_cap(self, pool: str, tier: TierConfig, key: str) -> None:
+    def check_key_cap(self, tier: TierConfig, key: str, pool: str | None = None) -> None:
+        """KeyConcurrencyError (429) when `key` already holds or awaits as many requests as its tier's
+        `max_concurrent_per_key`; its Retry-After is what a request of the tier holds `pool` (the
+        gateway asks before it reads a body, when no pool is known yet: one second)."""
         cap = tier.max_concurrent_per_key
         if cap is not None and self._by_key.get(key, 0) >= cap:
-            p = self._pools[pool]
+            p = self._pools.get(pool) if pool is not None else None
             raise KeyConcurrencyError(
                 f"this API key already has {cap} requests in flight, the most tier {tier.name!r} allows "
                 "at once; retry when one has finished",
-                retry_after=p.tier_service_s.get(tier.name) or p.service_s or 1.0,
+                retry_after=(p.tier_service_s.get(tier.name) or p.service_s if p else None) or 1.0,
             )
 
     def _count_key(self, key: str, delta: int) -> None:

@@ -53,6 +53,7 @@ class RateCharge:
 
     bucket: TokenBucket | None  # None: the tier has no tokens/min limit
     tokens: float = 0.0  # charged so far
+    read: float = 0.0  # of which for the request's prompt as read (its bytes), before parsing
     settled: bool = field(default=False)
 
     def settle(self, used_tokens: int) -> None:
@@ -63,6 +64,14 @@ class RateCharge:
         self.settled = True
         if self.bucket is not None:
             self.bucket.level = min(self.bucket.capacity, self.bucket.level + self.tokens - used_tokens)
+
+    def settle_error(self, status: int) -> None:
+        """The request was answered with an error of HTTP `status`. The client's own (a 4xx other
+        than 429) keeps the charge for its prompt, which the gateway read and a pool may have
+        tokenized, and gets back what it might have generated: otherwise a prompt too long for every
+        pool, sent again and again, would cost the pools its tokenization each time and its key
+        nothing but a request. Any other error (429, 5xx) gives the whole charge back."""
+        self.settle(int(self.read) if 400 <= status < 500 and status != 429 else 0)
 
 
 class RateLimiter:
@@ -85,8 +94,16 @@ class RateLimiter:
             buckets["requests"].take(1)
         charge = RateCharge(buckets.get("tokens"))
         if charge.bucket is not None:
-            charge.tokens = charge.bucket.take(tokens)
+            charge.tokens = charge.read = charge.bucket.take(tokens)
         return charge
+
+    def precheck(self, key_id: str, tier: TierConfig) -> None:
+        """RateLimitError when the key could not send even the smallest request now (no request left
+        this minute, or its tokens/min in debt), taking nothing: a key over its limits is turned away
+        before its body is read, so a flood of them costs a look-up each."""
+        buckets = self._buckets_of(key_id, tier)
+        waits = {name: buckets[name].wait_for(1) for name in ("requests", "tokens") if name in buckets}
+        self._raise_if_limited(tier, waits)
 
     def charge_more(self, charge: RateCharge, key_id: str, tier: TierConfig, tokens: int) -> None:
         """Add `tokens` to an up-front charge (what the request may generate, once known), or raise

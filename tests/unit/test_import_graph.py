@@ -105,6 +105,7 @@ def test_a_pool_replica_does_not_import_the_model_its_engine_core_process_runs()
         "print(sorted(m for m in sys.modules if m.startswith(('models.', 'engine.')) "
         "and m.split('.')[1] in ('decoder', 'loader', 'model_runner', 'llm_engine', 'engine_loop')))"
     )
-    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    command = [sys.executable, "-c", probe]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]", done.stdout

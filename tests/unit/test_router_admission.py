@@ -310,6 +310,9 @@ async def test_max_concurrent_per_key_is_a_hard_cap_with_429():
         and excinfo.value.to_openai()["error"]["code"] == "concurrency_limit_exceeded"
     )
     assert int(excinfo.value.headers()["retry-after"]) >= 1
+    with pytest.raises(KeyConcurrencyError):  # asked before a body is read, no pool known yet
+        admission.check_key_cap(capped, "A")
+    admission.check_key_cap(capped, "B")
     other = await admission.acquire("coding", capped, key="B")  # another key is not held back
     tickets[0].release()
     tickets.append(await admission.acquire("coding", capped, key="A"))  # one finished: one more

@@ -70,6 +70,47 @@ def test_tokens_are_charged_up_front_and_settled_with_the_real_usage():
     assert limiter.check("k", tier, tokens=500).tokens == 500
 
 
+def test_a_client_error_keeps_its_prompts_charge_and_a_429_or_5xx_gives_all_back():
+    """A prompt too long for every pool (a 400 after the pools tokenized it) costs its key the prompt
+    it sent, so sending it again and again runs into the key's tokens/min instead of costing the pools
+    a tokenization each time for free; what it might have generated comes back. A request turned
+    away (429) or failed by the server (5xx) costs nothing."""
+    clock = FakeClock()
+    limiter = RateLimiter(clock)
+    tier = TierConfig(name="standard", priority=1, tokens_per_minute=600)
+    for _ in range(3):
+        charge = limiter.check("k", tier, tokens=150)  # the body's bytes / 4
+        limiter.charge_more(charge, "k", tier, 50)  # max_tokens
+        charge.settle_error(400)  # 150 kept, 50 back
+    with pytest.raises(RateLimitError):
+        limiter.check("k", tier, tokens=200)
+    for status in (429, 500, 503):
+        clock.now += 60.0
+        charge = limiter.check("k", tier, tokens=600)
+        charge.settle_error(status)
+        limiter.check("k", tier, tokens=600).settle(0)  # all of it came back
+
+
+def test_a_key_over_its_limits_is_turned_away_before_its_body_counts():
+    """`precheck` (before the gateway reads a body) refuses a key with no request left or with its
+    tokens in debt, and takes nothing from a key that has room."""
+    clock = FakeClock()
+    limiter = RateLimiter(clock)
+    tier = TierConfig(name="t", priority=1, requests_per_minute=2, tokens_per_minute=600)
+    for _ in range(2):
+        limiter.precheck("k", tier)
+        limiter.check("k", tier, tokens=10)
+    with pytest.raises(RateLimitError) as excinfo:
+        limiter.precheck("k", tier)
+    assert excinfo.value.retry_after == pytest.approx(30.0)
+    clock.now += 30.0
+    limiter.check("j", tier, tokens=10).settle(900)  # key j's tokens in debt: 310 over
+    with pytest.raises(RateLimitError):
+        limiter.precheck("j", tier)
+    limiter.precheck("k", tier)
+    limiter.check("k", tier, tokens=10)  # the precheck took nothing
+
+
 def test_rejected_request_takes_nothing_and_huge_prompt_is_not_locked_out_forever():
     clock = FakeClock()
     limiter = RateLimiter(clock)
