@@ -9,10 +9,12 @@ Tokens of all requests in a step are flattened to N rows; `AttentionMetadata`
 tells each attention layer where they sit in the paged KV cache.
 """
 
+from functools import partial
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedConfig
-from transformers.activations import ACT2FN
 
 from models.attention import Attention, AttentionMetadata
 from models.layers import RMSNorm, RotaryEmbedding, apply_rotary
@@ -75,6 +77,19 @@ class SelfAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta))
 
 
+# The gated MLP's activation, by the name in the checkpoint's `hidden_act`. raylane's own table, not
+# transformers' ACT2FN: `transformers.activations` imports torch.distributed.tensor and sympy, 0.75 s
+# of every engine core process's start (a replica's restart).
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_new": partial(F.gelu, approximate="tanh"),
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
 class MLP(nn.Module):
     """Gated MLP: down(act(gate(x)) * up(x)); gate/up column-parallel, down row-parallel."""
 
@@ -82,7 +97,9 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
-        self.act_fn = ACT2FN[hidden_act]
+        if hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {hidden_act!r} is not supported (supported: {sorted(ACTIVATIONS)})")
+        self.act_fn = ACTIVATIONS[hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

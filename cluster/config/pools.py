@@ -169,7 +169,7 @@ class PoolConfig(StrictModel):
         "default: router.default_max_waiting.",
     )
     health_check_period_s: float = Field(
-        2.0,
+        1.0,
         gt=0,
         description="Seconds between Serve's health checks of each replica. Serve learns that a replica "
         "died only at its next check, so this bounds how long a dead replica goes unreplaced (Serve's "
