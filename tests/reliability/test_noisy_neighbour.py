@@ -216,6 +216,8 @@ async def attacker(url: str) -> None:
     """For each line `NAME` on stdin: that class's `run_attack`, printed as one JSON line."""
     limits = httpx2.Limits(max_connections=ATTACKERS * 2)
     async with httpx2.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
+        await http.get("/health")  # connected and warm before the first window
+        print("ready", flush=True)
         while name := (await asyncio.to_thread(sys.stdin.readline)).strip():
             http.headers["Authorization"] = f"Bearer {attacker_key(name)}"
             print(json.dumps(await run_attack(http, ATTACKS[name])), flush=True)
@@ -273,6 +275,7 @@ def test_one_key_abusing_the_api_does_not_hurt_another(app, report):
     attacks: dict[str, dict] = {}
     gateway_rss: dict[str, int] = {}  # class -> the gateway's growth after it, MiB
     try:
+        assert attacker_process.stdout.readline().strip() == "ready"
         time.sleep(2)  # the victim's process starts
         for name in ATTACKS:
             start = time.monotonic()
