@@ -115,24 +115,25 @@ class Draining(OpenAIError):
         )
 
 
-def _refund(request: Request, status: int) -> None:
-    """A request answered with an error (HTTP `status`) before it was served gives back its up-front
-    token charge: all of it, or, the client's error, all but its prompt's (`RateCharge.settle_error`)."""
+def _refund(request: Request) -> None:
+    """A request answered with an error before it was served gives back its up-front token charge.
+    (A 4xx from a pool keeps its prompt's part: `Dispatcher`. One found here cost the gateway a
+    bounded parse of what the body's bytes were charged for; its request still counts.)"""
     charge = getattr(request.state, "rate_charge", None)
     if charge is not None:
-        charge.settle_error(status)
+        charge.settle(0)
 
 
 @app.exception_handler(OpenAIError)
 async def _openai_error(request: Request, error: OpenAIError) -> JSONResponse:
-    _refund(request, error.status)
+    _refund(request)
     headers = {"retry-after": str(RETRY_AFTER_S)} if isinstance(error, Draining) else None
     return error_response(error, headers)
 
 
 @app.exception_handler(RouterError)
 async def _router_error(request: Request, error: RouterError) -> JSONResponse:
-    _refund(request, error.status)
+    _refund(request)
     return JSONResponse(error.to_openai(), status_code=error.status, headers=error.headers())
 
 
@@ -144,7 +145,7 @@ async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse
 
 @app.exception_handler(Exception)
 async def _unexpected(request: Request, error: Exception) -> JSONResponse:
-    _refund(request, 500)
+    _refund(request)
     logger.exception("unhandled error in the gateway")
     return error_response(internal_error())
 
