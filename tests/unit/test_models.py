@@ -450,3 +450,17 @@ def test_mixed_sliding_and_full_attention_layers_are_refused(tmp_path):
     path = make_checkpoint(tmp_path, "qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
     with pytest.raises(ValueError, match="sliding-window and full attention"):
         load_model(path)
+
+
+def test_the_mlp_activations_are_transformers_own_and_an_unknown_one_is_named():
+    """raylane's activation table (kept apart from transformers.activations for start-up time)
+    computes what transformers' ACT2FN does for each name it accepts."""
+    from transformers.activations import ACT2FN
+
+    from models.decoder import ACTIVATIONS
+
+    x = torch.randn(64, 32) * 4
+    for name, fn in ACTIVATIONS.items():
+        torch.testing.assert_close(fn(x), ACT2FN[name](x), msg=name)
+    with pytest.raises(ValueError, match="hidden_act 'mish'"):
+        MLP(32, 64, "mish")
