@@ -62,7 +62,7 @@ def _embedder() -> ThreadPoolExecutor:
     return _executor
 
 
-def _embed(texts: list[str]):
+def _embed(texts: list[str]) -> tuple:
     """(vectors, token counts). After a call of a batch or more, the heap's free memory goes back to
     the system: glibc keeps what MiniLM's activations took (over 150 MB after a few calls of 256 long
     texts, in a gateway that otherwise holds tens of MB) unless asked."""
