@@ -118,6 +118,40 @@ def replica_rss_mb(app: str) -> dict[str, float]:
     return out
 
 
+def serve_cpu_s(app: str) -> dict[str, float]:
+    """CPU seconds (user + system) spent so far by Serve's HTTP proxy and each replica process of
+    `app`, keyed `proxy` or by deployment; a replica's child processes (an engine core) count
+    with it."""
+    import os
+    from pathlib import Path
+
+    tick = os.sysconf("SC_CLK_TCK")
+    replica = f"ray::ServeReplica:{app}:".encode()
+    owner, parent, cpu = {}, {}, {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit():
+                continue
+            title = (proc / "cmdline").read_bytes().split(b"\0")[0]
+            fields = (proc / "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        pid = int(proc.name)
+        parent[pid], cpu[pid] = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+        if title.startswith(b"ray::ProxyActor"):
+            owner[pid] = "proxy"
+        elif title.startswith(replica):
+            owner[pid] = title[len(replica) :].decode().split(".")[0]
+    out: dict[str, float] = {}
+    for pid, seconds in cpu.items():
+        node = pid
+        while node in parent and node not in owner:
+            node = parent[node]
+        if node in owner:
+            out[owner[node]] = out.get(owner[node], 0.0) + seconds
+    return out
+
+
 def resumptions(url: str) -> float:
     """Streams the app at `url` resumed on another replica or pool, from its /metrics."""
     import httpx2
