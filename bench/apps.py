@@ -17,8 +17,8 @@ import sys
 import time
 from types import TracebackType
 
-from cluster.config import ClusterConfig
-from cluster.serve_env import free_port
+from raylane.cluster.serve_env import free_port
+from raylane.config import ClusterConfig
 
 APP_PREFIX = "raylane-bench-"
 DEPLOY_TIMEOUT_S = 600.0  # loading checkpoints and the router's classifier on two busy cores
@@ -35,8 +35,8 @@ class LocalServeError(RuntimeError):
 def prepare_checkpoints(configs: list[ClusterConfig]) -> None:
     """Write demo checkpoints here once (replicas would each write them) and fail early, naming the
     pool, when a checkpoint directory is missing (Serve would only retry the replica)."""
-    from cluster.demo_models import create_demo_models, default_demo_dir
-    from cluster.serve import missing_checkpoints
+    from raylane.cluster.serve import missing_checkpoints
+    from raylane.models.demo import create_demo_models, default_demo_dir
 
     demo = sorted({p.demo_model for c in configs for p in c.pools if p.demo_model})
     if demo:
@@ -64,8 +64,7 @@ class LocalServe:
         import ray
         from ray import serve
         from ray.serve.context import _get_global_client
-
-        from cluster.serve_env import running_ingress, serve_env
+        from raylane.cluster.serve_env import running_ingress, serve_env
 
         if why := self.ingress_problem(self.ingress):
             raise LocalServeError(f"--ingress {self.ingress}: {why}")
@@ -96,8 +95,7 @@ class LocalServe:
         """Why a LocalServe cannot serve behind `ingress` here, or None: the ingress is fixed when Ray
         starts, so HAProxy needs a Ray this object starts itself."""
         import ray
-
-        from cluster.serve_env import haproxy_problem
+        from raylane.cluster.serve_env import haproxy_problem
 
         if ingress == "proxy":
             return None
@@ -134,8 +132,7 @@ class LocalServe:
     def _deploy_pending(self) -> None:
         from ray import serve
         from ray.serve.api import RunTarget
-
-        from deployments.app import build_app
+        from raylane.deployments.app import build_app
 
         configs, self._pending = self._pending, {}
         prepare_checkpoints(list(configs.values()))

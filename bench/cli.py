@@ -4,21 +4,21 @@ import argparse
 import importlib
 
 BENCHMARKS = {
-    "engine": "bench.engine",
-    "linears": "bench.linears",
-    "serve": "bench.serve",
-    "compare": "bench.compare",
-    "parallel": "bench.parallel",
-    "router": "bench.router",
-    "speedups": "bench.speedups",
-    "pool-settings": "bench.pool_settings",
-    "gguf-open": "bench.gguf_open",
-    "grammar-bound": "bench.grammar_bound",
-    "overhead": "bench.overhead",
-    "affinity": "bench.affinity",
-    "gpu-check": "bench.gpu_check",
-    "recovery": "bench.recovery",
-    "report": "bench.report",
+    "engine": "raylane.bench.engine",
+    "linears": "raylane.bench.linears",
+    "serve": "raylane.bench.serve",
+    "compare": "raylane.bench.compare",
+    "parallel": "raylane.bench.parallel",
+    "router": "raylane.bench.router",
+    "speedups": "raylane.bench.speedups",
+    "pool-settings": "raylane.bench.pool_settings",
+    "gguf-open": "raylane.bench.gguf_open",
+    "grammar-bound": "raylane.bench.grammar_bound",
+    "overhead": "raylane.bench.overhead",
+    "affinity": "raylane.bench.affinity",
+    "gpu-check": "raylane.bench.gpu_check",
+    "recovery": "raylane.bench.recovery",
+    "report": "raylane.bench.report",
 }
 
 

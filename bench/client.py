@@ -17,8 +17,8 @@ from collections.abc import AsyncIterable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.datasets import BenchRequest
-from bench.metrics import RequestRecord
+from raylane.bench.datasets import BenchRequest
+from raylane.bench.metrics import RequestRecord
 
 Clock = Callable[[], float]
 

@@ -42,13 +42,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from bench.apps import LocalServe, LocalServeError
-from bench.client import Endpoint, make_client
-from bench.common import client_machine, print_table, write_json
-from bench.datasets import BenchRequest, DatasetUnavailable, add_dataset_arguments, requests_from_args
-from bench.llama_server import LlamaServer, LlamaServerError
-from bench.metrics import RequestRecord, summarize
-from bench.serve import (
+from raylane.bench.apps import LocalServe, LocalServeError
+from raylane.bench.client import Endpoint, make_client
+from raylane.bench.common import client_machine, print_table, write_json
+from raylane.bench.datasets import BenchRequest, DatasetUnavailable, add_dataset_arguments, requests_from_args
+from raylane.bench.llama_server import LlamaServer, LlamaServerError
+from raylane.bench.metrics import RequestRecord, summarize
+from raylane.bench.serve import (
     BenchError,
     SweepPoint,
     SweepSettings,
@@ -60,7 +60,7 @@ from bench.serve import (
     sweep_points,
     warm_up,
 )
-from cluster.config import ClusterConfig, ConfigError
+from raylane.config import ClusterConfig, ConfigError
 
 # (label, path into a summary, True when higher is better)
 COMPARED = (
@@ -176,7 +176,7 @@ def gguf_file(value: Path) -> Path:
     """A GGUF path as given, or the file of a packaged model named as a pool's `model` may name it."""
     if value.exists():
         return value
-    from cluster.packaged_models import PACKAGED_MODELS, PackagedModelMissing, packaged_model_path
+    from raylane.models.packaged import PACKAGED_MODELS, PackagedModelMissing, packaged_model_path
 
     if str(value) not in PACKAGED_MODELS:
         return value  # LlamaServer names the missing file

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import OtherLoad, machine_info, print_table, pyplot, summary, timed, write_json
+from raylane.bench.common import OtherLoad, machine_info, print_table, pyplot, summary, timed, write_json
 
 MODEL_NAME = "raylane-bench-llama-50m"
 # ~50M parameters: small enough for two CPU cores, big enough that matmuls, not Python, should dominate.
@@ -131,7 +131,7 @@ def run_hf(model, work: Workload, batch_size: int) -> list[list[int]]:
 
 
 def run_raylane(llm, work: Workload) -> list[list[int]]:
-    from engine import SamplingParams
+    from raylane.engine import SamplingParams
 
     llm.engine.block_manager.reset_prefix_cache()  # a repeat must not reuse the previous repeat's prompts
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
@@ -188,10 +188,9 @@ def measure_step_overhead(llm, args: argparse.Namespace) -> dict[str, Any]:
     """Alternate one engine decode step with a bare forward that replays exactly the batch the step
     ran (same tokens, positions and block tables; metadata and tensors built outside the timer)."""
     import torch
-
-    from engine import SamplingParams
-    from engine.sampling_params import RequestOutputKind
-    from models.attention import build_attention_metadata
+    from raylane.engine import SamplingParams
+    from raylane.engine.sampling_params import RequestOutputKind
+    from raylane.models.attention import build_attention_metadata
 
     engine, runner = llm.engine, llm.engine.runner
     batches: list = []
@@ -331,11 +330,10 @@ def print_report(result: dict[str, Any], args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
+    from raylane.engine import LLM
+    from raylane.parallel import onednn
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
-
-    from engine import LLM
-    from parallel import onednn
 
     if args.threads:
         torch.set_num_threads(args.threads)

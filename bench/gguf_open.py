@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import machine_info, print_table, write_json
+from raylane.bench.common import machine_info, print_table, write_json
 
 DIRECT = """
 import sys, time
@@ -34,7 +34,7 @@ SIDECAR = """
 import sys, time
 t = time.perf_counter()
 from transformers import AutoConfig, AutoTokenizer
-from models.gguf import checkpoint_dir
+from raylane.models.gguf import checkpoint_dir
 folder = checkpoint_dir(sys.argv[1])
 AutoConfig.from_pretrained(folder); AutoTokenizer.from_pretrained(folder)
 print(time.perf_counter() - t)
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     path = Path(args.model)
     if not path.is_file():
-        from cluster.packaged_models import packaged_model_path
+        from raylane.models.packaged import packaged_model_path
 
         path = packaged_model_path(args.model)
     cache = Path(tempfile.mkdtemp(prefix="raylane-gguf-bench-"))

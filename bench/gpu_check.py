@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine_info, print_table, write_json
+from raylane.bench.common import machine_info, print_table, write_json
 
 RESULTS = Path(__file__).parent / "results"
 PARITY_PROMPTS = 4
@@ -106,9 +106,9 @@ def run(args: argparse.Namespace) -> int:
 def checkpoints(models_dir: Path | None) -> dict[str, str]:
     """family -> checkpoint: the demo Llama and Qwen3-MoE, a Qwen2 and a Mixtral of the demo's size,
     a one-layer Llama draft, and the packaged SmolLM2 GGUF. Written once (fixed seeds)."""
-    from cluster.config import DEMO_MODELS
-    from cluster.demo_models import create_demo_models, default_demo_dir
-    from cluster.packaged_models import packaged_model_path
+    from raylane.config import DEMO_MODELS
+    from raylane.models.demo import create_demo_models, default_demo_dir
+    from raylane.models.packaged import packaged_model_path
 
     root = models_dir or default_demo_dir()
     create_demo_models(root, names=list(DEMO_MODELS))
@@ -175,9 +175,8 @@ def gpu_info() -> dict[str, Any]:
 
 
 def prompts(path: str, n: int) -> list[list[int]]:
+    from raylane.models.gguf import checkpoint_dir
     from transformers import AutoTokenizer
-
-    from models.gguf import checkpoint_dir
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir(path))
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "2 + 2 ="]
@@ -197,7 +196,7 @@ def hf_model(path: str, device: str, dtype):
 
 
 def raylane_greedy(path: str, token_prompts: list[list[int]], n: int, **engine_args) -> list[list[int]]:
-    from engine import LLM, SamplingParams
+    from raylane.engine import LLM, SamplingParams
 
     with LLM(path, **engine_args) as llm:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -230,7 +229,7 @@ def parity(family: str, path: str, device: str, dtype, n: int) -> dict[str, Any]
 
 def graphs_identity(path: str, device: str, dtype, n: int) -> dict[str, Any]:
     """Greedy tokens with decode steps replayed from CUDA graphs (the default) against eager steps."""
-    from engine import LLM, SamplingParams
+    from raylane.engine import LLM, SamplingParams
 
     token_prompts = prompts(path, PARITY_PROMPTS)
     args = dict(device=device, dtype=dtype_name(dtype))
@@ -301,7 +300,7 @@ def throughput(path: str, device: str, dtype, batch: int, n: int) -> dict[str, A
         model.generate(ids, **kwargs)
         hf_s = synchronized_time(device) - start
     del model
-    from engine import LLM, SamplingParams
+    from raylane.engine import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     # No prefix caching: the warm-up ran the same prompts, and HF recomputes them.
@@ -324,8 +323,8 @@ def throughput(path: str, device: str, dtype, batch: int, n: int) -> dict[str, A
 
 def bandwidth_floor(path: str, device: str, dtype, batch: int, context: int = 512) -> dict[str, Any]:
     """One engine decode step at `batch` x `context` tokens against (weights + KV read) / bandwidth."""
-    from cluster.config import EngineConfig
-    from engine.model_runner import ModelInput, ModelRunner
+    from raylane.config import EngineConfig
+    from raylane.engine.model_runner import ModelInput, ModelRunner
 
     config = EngineConfig(
         model=path, device=device, dtype=dtype_name(dtype), num_kv_blocks=1, max_num_seqs=batch
@@ -368,9 +367,8 @@ def attention_kernel(device: str, dtype, machine: dict[str, Any]) -> dict[str, A
     """flash_varlen against the torch backend on one mixed batch, and both backends' time for the
     attention of a decode step at batch 64 x 4096 context (one layer, 32 query / 8 KV heads of 128)."""
     import torch
-
-    from models.attention import build_attention_metadata, paged_attention
-    from models.paged_kernel import PAGE_MULTIPLE, select_attention_backend
+    from raylane.models.attention import build_attention_metadata, paged_attention
+    from raylane.models.paged_kernel import PAGE_MULTIPLE, select_attention_backend
 
     heads, kv_heads, dim, block = 32, 8, 128, PAGE_MULTIPLE
     backend = select_attention_backend("auto", torch.device(device), dtype, dim, block)
@@ -419,8 +417,7 @@ def attention_kernel(device: str, dtype, machine: dict[str, Any]) -> dict[str, A
 def decode_attention_ms(device: str, dtype, batch: int = 64, context: int = 4096) -> dict[str, float]:
     """One layer's decode attention (32/8 heads of 128) on each backend, in ms."""
     import torch
-
-    from models.attention import build_attention_metadata, paged_attention
+    from raylane.models.attention import build_attention_metadata, paged_attention
 
     heads, kv_heads, dim, block = 32, 8, 128, 256
     pages = context // block
@@ -460,12 +457,12 @@ def copy_bandwidth(device: str, gib: float = 1.0) -> float:
 
 def serving(model: str, device: str, dry: bool) -> dict[str, Any]:
     """The pool behind the gateway on this device, a short concurrency sweep of random prompts."""
-    from bench.apps import LocalServe
-    from bench.client import Endpoint, RequestOptions
-    from bench.datasets import TokenCounter, random_requests
-    from bench.metrics import Slo
-    from bench.serve import SweepPoint, SweepSettings, run_sweep
-    from bench.serving import POOL, serving_config
+    from raylane.bench.apps import LocalServe
+    from raylane.bench.client import Endpoint, RequestOptions
+    from raylane.bench.datasets import TokenCounter, random_requests
+    from raylane.bench.metrics import Slo
+    from raylane.bench.serve import SweepPoint, SweepSettings, run_sweep
+    from raylane.bench.serving import POOL, serving_config
 
     config = serving_config(model=model, num_kv_blocks=4096 if not dry else 512, max_num_seqs=64)
     pool = config.pools[0]

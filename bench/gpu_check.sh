@@ -68,4 +68,4 @@ if [ "$mode" = dry ]; then
 else
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 fi
-exec "$PY" -m cluster.cli "${args[@]}" "${extra[@]}"
+exec "$PY" -m raylane.cluster.cli "${args[@]}" "${extra[@]}"

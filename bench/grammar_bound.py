@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from bench.common import machine_info, print_table, write_json
+from raylane.bench.common import machine_info, print_table, write_json
 
 CASES = {
     "enum of 40 strings of 2,000 chars": {"enum": ["x" * 2000 + str(i) for i in range(40)]},
@@ -28,8 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def measure(tokenizer) -> list[dict]:
-    from engine.grammar_compiler import GrammarCompileService, GrammarTooComplex
-    from engine.structured_output import StructuredOutputManager, StructuredOutputParams
+    from raylane.engine.grammar_compiler import GrammarCompileService, GrammarTooComplex
+    from raylane.engine.structured_output import StructuredOutputManager, StructuredOutputParams
 
     info = StructuredOutputManager(tokenizer, len(tokenizer)).tokenizer_info.serialize_json()
 
@@ -53,10 +53,10 @@ async def measure(tokenizer) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.packaged_models import packaged_model_path
-    from engine.grammar_compiler import GRAMMAR_TIMEOUT_S
-    from engine.tokenizer import load_tokenizer
-    from models.gguf import checkpoint_dir
+    from raylane.engine.grammar_compiler import GRAMMAR_TIMEOUT_S
+    from raylane.engine.tokenizer import load_tokenizer
+    from raylane.models.gguf import checkpoint_dir
+    from raylane.models.packaged import packaged_model_path
 
     model = "smollm2-135m-instruct"
     tokenizer = load_tokenizer(checkpoint_dir(str(packaged_model_path(model))))

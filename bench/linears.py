@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.common import OtherLoad, machine_info, print_table, timed, write_json
+from raylane.bench.common import OtherLoad, machine_info, print_table, timed, write_json
 
 # (in, out) of one layer of bench/engine.py's raylane-bench-llama-50m
 SHAPES = [(512, 1024), (512, 512), (512, 3584), (1792, 512)]
@@ -46,8 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
-
-    from parallel import onednn
+    from raylane.parallel import onednn
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -105,10 +104,9 @@ def run(args: argparse.Namespace) -> int:
 def int4_sides(in_features: int, out_features: int, copies: int, g) -> dict[str, Any]:
     """For each side, a function of x (float32) that runs one linear of this shape on every copy."""
     import torch
-
-    from parallel import onednn
-    from parallel.int4 import Int4Weight, int4_linear
-    from parallel.quantization import int8_linear, quantize_int8
+    from raylane.parallel import onednn
+    from raylane.parallel.int4 import Int4Weight, int4_linear
+    from raylane.parallel.quantization import int8_linear, quantize_int8
 
     dense = [torch.randn(out_features, in_features, generator=g) * 0.05 for _ in range(copies)]
     fp32 = [onednn.pack(w) for w in dense]
@@ -127,9 +125,8 @@ def int4_sides(in_features: int, out_features: int, copies: int, g) -> dict[str,
 
 def run_int4(args: argparse.Namespace) -> int:
     import torch
-
-    from parallel import onednn
-    from parallel.int4 import DENSE_MIN_TOKENS, kernel_available
+    from raylane.parallel import onednn
+    from raylane.parallel.int4 import DENSE_MIN_TOKENS, kernel_available
 
     if not (kernel_available() and onednn.available(torch.float32) and onednn.available(torch.bfloat16)):
         print("torch's CPU int4 kernel or oneDNN's packed linear is missing in this torch build")

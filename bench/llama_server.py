@@ -12,8 +12,8 @@ The build runs under `nice -n 10` with two jobs: about 15 minutes on two quiet c
 shared with other work (2026-12-02); a second call finds the binary and returns at once. Only
 benchmarks use it: no test builds or runs it.
 
-    python -m bench.llama_server build               # build (or find) the binary, print its path
-    python -m bench.llama_server serve FILE.gguf     # start it on a free port until Ctrl-C
+    python -m raylane.bench.llama_server build               # build (or find) the binary, print its path
+    python -m raylane.bench.llama_server serve FILE.gguf     # start it on a free port until Ctrl-C
 
 `LlamaServer` starts it with the settings of the side-by-side benchmark: `-np 16` parallel slots
 (continuous batching), `-t 2` threads, a context of slots x tokens per slot, on 127.0.0.1.
@@ -197,7 +197,7 @@ class LlamaServer:
         ]
 
     def start(self) -> "LlamaServer":
-        from cluster.serve_env import free_port
+        from raylane.cluster.serve_env import free_port
 
         if not self.model.exists():
             raise LlamaServerError(f"{self.model}: no such GGUF file")
@@ -256,7 +256,9 @@ class LlamaServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.llama_server", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m raylane.bench.llama_server", description=__doc__.splitlines()[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="build llama-server once into the cache, print its path")
     build.add_argument("--version", default=LLAMA_CPP_PYTHON_VERSION, help="llama-cpp-python sdist version")

@@ -4,7 +4,8 @@ The same chat requests go (a) over HTTP through Serve's proxy, the gateway (auth
 router's resolve/plan/admission) and the pool replica, streamed with the official `openai` client,
 and (b) straight to an `AsyncLLM` in this process built from the same pool's engine config, with the
 prompt rendered and the sampling parameters made by the same code the pool uses
-(`OpenAIServingChat.render_chat`, `deployments.sampling.chat_params`). Request i goes to both, in turn
+(`OpenAIServingChat.render_chat`, `raylane.deployments.protocol.sampling.chat_params`). Request i
+goes to both, in turn
 (HTTP first for even i, the engine first for odd i), so a slow spell of the machine hits both sides.
 
 With `floor_url` (the command deploys it), request i goes, right after the in-process engine, to a
@@ -35,11 +36,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import OtherLoad, machine_info, print_table, process_tree_cpu_s, write_json
-from bench.datasets import BenchRequest, add_dataset_arguments, requests_from_args
-from bench.metrics import percentile
-from cluster.config import ClusterConfig, PoolConfig
-from cluster.model_sources import engine_config, model_path
+from raylane.bench.common import OtherLoad, machine_info, print_table, process_tree_cpu_s, write_json
+from raylane.bench.datasets import BenchRequest, add_dataset_arguments, requests_from_args
+from raylane.bench.metrics import percentile
+from raylane.config import ClusterConfig, PoolConfig
+from raylane.models.sources import engine_config, model_path
 
 GOAL_MS = 15.0
 
@@ -93,9 +94,8 @@ class InProcessEngine:
 
     def __init__(self, pool: PoolConfig, torch_threads: int):
         import torch
-
-        from deployments.serving_chat import OpenAIServingChat
-        from engine import AsyncLLM
+        from raylane.deployments.pool.serving_chat import OpenAIServingChat
+        from raylane.engine import AsyncLLM
 
         torch.set_num_threads(torch_threads)  # before the engine thread starts: it inherits the count
         self.llm = AsyncLLM(engine_config(pool))
@@ -107,9 +107,9 @@ class InProcessEngine:
 
     def prepare(self, request: BenchRequest):
         """(prompt token ids, sampling params) as the pool makes them from the same request body."""
-        from deployments.openai_schemas import ChatCompletionRequest
-        from deployments.sampling import chat_params
-        from engine.sampling_params import RequestOutputKind
+        from raylane.deployments.protocol.openai_schemas import ChatCompletionRequest
+        from raylane.deployments.protocol.sampling import chat_params
+        from raylane.engine.sampling_params import RequestOutputKind
 
         body = ChatCompletionRequest.model_validate(request_body(self.model_id, request))
         params, plan = chat_params(body)
@@ -347,9 +347,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.apps import LocalServe, LocalServeError
-    from bench.serve_floor import floor_app
-    from bench.serving import serving_config
+    from raylane.bench.apps import LocalServe, LocalServeError
+    from raylane.bench.serve_floor import floor_app
+    from raylane.bench.serving import serving_config
 
     config = ClusterConfig.from_yaml(args.config) if args.config else serving_config()
     pool = next((p for p in config.pools if p.name == (args.pool or config.pools[0].name)), None)
@@ -393,7 +393,7 @@ def run_overhead(
 ) -> dict[str, Any]:
     """Measure against a running app whose pool `pool` serves `pool.model_id` (Ray initialized), behind
     `ingress` (what is in front of its gateway: proxy or haproxy), and Serve's floor at `floor_url`
-    (an OpenAI base URL of `bench.serve_floor.floor_app` behind the same ingress) when given."""
+    (an OpenAI base URL of `raylane.bench.serve_floor.floor_app` behind the same ingress) when given."""
     import torch
 
     threads, before = ray_torch_threads(pool.engine.cpus_per_rank), torch.get_num_threads()

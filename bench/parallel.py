@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import OtherLoad, machine_info, print_table, pyplot, write_json
+from raylane.bench.common import OtherLoad, machine_info, print_table, pyplot, write_json
 
 MiB = 2**20
 BLOCK_SIZE = 16
@@ -57,7 +57,7 @@ def layouts(kind: str, tp: int, ep: int) -> list[Layout]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from cluster.demo_models import default_demo_dir
+    from raylane.models.demo import default_demo_dir
 
     parser.add_argument("--dense-model", help="dense checkpoint (default: the demo Llama, created if needed)")
     parser.add_argument("--moe-model", help="MoE checkpoint (default: the demo Qwen3-MoE, created if needed)")
@@ -87,7 +87,7 @@ def make_batches(vocab_size: int, args: argparse.Namespace) -> tuple[list, list,
     """(prefill batches, decode batches, KV blocks needed): what the engine's scheduler would send for
     `batch_size` requests of `prompt_len` random tokens decoding together (one prefill step, then one
     token per request per step). Built directly: no single process has to hold the model to record them."""
-    from engine.model_runner import ModelInput
+    from raylane.engine.model_runner import ModelInput
 
     rng = random.Random(args.seed)
     n, length, block = args.batch_size, args.prompt_len, BLOCK_SIZE
@@ -117,10 +117,9 @@ def make_batches(vocab_size: int, args: argparse.Namespace) -> tuple[list, list,
 
 def measure(model: str, layout: Layout, batches: tuple[list, list, int], args) -> dict:
     import torch
-
-    from cluster.config import EngineConfig
-    from engine.executor import UniProcExecutor
-    from engine.executor.ray_distributed import RayDistributedExecutor
+    from raylane.config import EngineConfig
+    from raylane.engine.executor import UniProcExecutor
+    from raylane.engine.executor.ray_distributed import RayDistributedExecutor
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     prefill, decode, num_kv_blocks = batches
@@ -276,9 +275,8 @@ def write_plot(path: Path, result: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import ray
+    from raylane.models.demo import LLAMA, QWEN3_MOE, create_demo_models
     from transformers import AutoConfig
-
-    from cluster.demo_models import LLAMA, QWEN3_MOE, create_demo_models
 
     demo = create_demo_models(args.demo_dir) if not (args.dense_model and args.moe_model) else {}
     models = {

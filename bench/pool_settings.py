@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.common import OtherLoad, machine_info, print_table, write_json
+from raylane.bench.common import OtherLoad, machine_info, print_table, write_json
 
 MODEL = "smollm2-135m-instruct"
 SPEC_SETTINGS: dict[str, int | None] = {"plain": None, "ngram k=2": 2, "ngram k=4": 4}
@@ -151,7 +151,7 @@ def code_messages(num: int) -> list[list[dict[str, str]]]:
 def chat_messages(num: int, tokenizer, max_tokens: int = 256) -> tuple[list[list[dict[str, str]]], str]:
     """First human turns of ShareGPT (in file order) of 8 to `max_tokens` tokens, else the built-in list."""
     try:
-        from bench.datasets import DatasetUnavailable, sharegpt_pairs
+        from raylane.bench.datasets import DatasetUnavailable, sharegpt_pairs
 
         pairs = sharegpt_pairs()
     except DatasetUnavailable:
@@ -191,7 +191,7 @@ def generate(
 ) -> dict[str, Any]:
     """One batch, greedy, from an empty prefix cache: decode tokens/s, drafts, and the answers (token
     ids, and the chosen tokens' logprobs if asked: the speculative path does not return them)."""
-    from engine import SamplingParams
+    from raylane.engine import SamplingParams
 
     engine = llm.engine
     engine.block_manager.reset_prefix_cache()
@@ -248,7 +248,7 @@ def interleaved(runs: dict[Any, Callable[[], dict]], repeats: int, key: Callable
 
 
 def load_llm(path: str, **kw):
-    from engine import LLM
+    from raylane.engine import LLM
 
     # 512 blocks of 16: 16 answers of 128 tokens after prompts of up to 256, with room to spare.
     return LLM(path, num_kv_blocks=512, max_model_len=2048, **kw)
@@ -417,8 +417,7 @@ def print_weights(rows: list[dict], load: float, threads: int, args) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    from cluster.packaged_models import packaged_model_path
+    from raylane.models.packaged import packaged_model_path
 
     path = str(packaged_model_path(MODEL))
     info = machine_info()

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import machine_info, print_table, write_json
+from raylane.bench.common import machine_info, print_table, write_json
 
 PHASES = ("detected", "process", "init", "engine", "ready", "running", "served")
 POLL_S = 0.02
@@ -37,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.apps import LocalServe
-    from cluster.config import ClusterConfig, default_config
+    from raylane.bench.apps import LocalServe
+    from raylane.config import ClusterConfig, default_config
 
     base = ClusterConfig.from_yaml(args.config) if args.config else default_config()
     pool = base.pool(args.pool)
@@ -67,8 +67,7 @@ def kill_and_time(app: str, url: str, pool: str) -> dict[str, float]:
     """Kill the pool's replica; seconds from the kill to each phase of its replacement."""
     import psutil
     from ray import serve
-
-    from deployments.pool_health import pool_deployment_name
+    from raylane.deployments.gateway.pool_health import pool_deployment_name
 
     handle = serve.get_deployment_handle(pool_deployment_name(pool), app_name=app)
     old = handle.startup_times.remote().result(timeout_s=60)
@@ -100,8 +99,7 @@ def _new_startup(handle, old_pid: int) -> dict | None:
 
 def running(app: str, pool: str) -> int:
     from ray import serve
-
-    from deployments.pool_health import pool_deployment_name
+    from raylane.deployments.gateway.pool_health import pool_deployment_name
 
     status = serve.status().applications[app].deployments[pool_deployment_name(pool)]
     return status.replica_states.get("RUNNING", 0)

@@ -48,8 +48,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.common import OtherLoad, machine_info, process_tree_cpu_s, write_json
-from cluster.model_sources import engine_config, model_path
+from raylane.bench.common import OtherLoad, machine_info, process_tree_cpu_s, write_json
+from raylane.models.sources import engine_config, model_path
 
 PARTS = ("engine", "overhead", "routing", "prefix", "sweep", "affinity")
 REPO = Path(__file__).resolve().parent.parent
@@ -95,7 +95,7 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def run_engine(args: argparse.Namespace) -> dict[str, Any]:
-    import bench.engine as engine_bench
+    import raylane.bench.engine as engine_bench
 
     parser = argparse.ArgumentParser()
     engine_bench.add_arguments(parser)
@@ -107,7 +107,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
 
 def serving_requests(args: argparse.Namespace, tokenizer: str, kind: str):
     """The workload of a serving part, counted with the served model's tokenizer."""
-    from bench.datasets import TokenCounter, prefix_requests, random_requests
+    from raylane.bench.datasets import TokenCounter, prefix_requests, random_requests
 
     counter = TokenCounter(tokenizer)
     n = args.num_prompts or (8 if args.quick else 32)
@@ -119,7 +119,7 @@ def serving_requests(args: argparse.Namespace, tokenizer: str, kind: str):
 
 
 def run_overhead(args, urls: dict[str, str], config, tokenizer: str, ingress: str) -> dict[str, Any]:
-    from bench.overhead import run_overhead as measure
+    from raylane.bench.overhead import run_overhead as measure
 
     requests = serving_requests(args, tokenizer, "overhead")
     floor = f"{urls['serve-floor']}/v1" if "serve-floor" in urls else None
@@ -133,9 +133,9 @@ def run_overhead(args, urls: dict[str, str], config, tokenizer: str, ingress: st
 def run_overhead_behind(args, ingress: str) -> dict[str, Any]:
     """The overhead part again, with the main config behind `ingress` (a Ray of its own: the ingress is
     fixed when Ray starts); other load is metered once the app runs, as for the rest."""
-    from bench.apps import LocalServe
-    from bench.serve_floor import floor_app
-    from bench.serving import DEMO_MODEL, serving_config
+    from raylane.bench.apps import LocalServe
+    from raylane.bench.serve_floor import floor_app
+    from raylane.bench.serving import DEMO_MODEL, serving_config
 
     config = serving_config(args.model or DEMO_MODEL, ingress=ingress)
     tokenizer = engine_config(config.pools[0]).tokenizer
@@ -153,7 +153,7 @@ def run_overhead_behind(args, ingress: str) -> dict[str, Any]:
 
 
 def run_routing(args, urls: dict[str, str]) -> dict[str, Any]:
-    from bench.router import measure_auto_vs_named, routing_prompts, summarize_auto_vs_named
+    from raylane.bench.router import measure_auto_vs_named, routing_prompts, summarize_auto_vs_named
 
     pairs = 16 if args.quick else 64
     prompts = routing_prompts(pairs + 2, args.seed + 1)
@@ -162,9 +162,9 @@ def run_routing(args, urls: dict[str, str]) -> dict[str, Any]:
 
 
 def run_prefix(args, urls: dict[str, str], tokenizer: str) -> dict[str, Any]:
-    from bench.client import Endpoint
-    from bench.compare import compare_sweep
-    from bench.serve import SweepPoint
+    from raylane.bench.client import Endpoint
+    from raylane.bench.compare import compare_sweep
+    from raylane.bench.serve import SweepPoint
 
     requests = serving_requests(args, tokenizer, "prefix")
     endpoints = (
@@ -194,9 +194,9 @@ def run_prefix(args, urls: dict[str, str], tokenizer: str) -> dict[str, Any]:
 
 
 def run_sweep(args, urls: dict[str, str], config, tokenizer: str) -> dict[str, Any]:
-    from bench.client import Endpoint
-    from bench.serve import SweepPoint, json_safe, plot
-    from bench.serve import run_sweep as sweep
+    from raylane.bench.client import Endpoint
+    from raylane.bench.serve import SweepPoint, json_safe, plot
+    from raylane.bench.serve import run_sweep as sweep
 
     max_seqs = config.pools[0].engine.max_num_seqs
     levels = [c for c in (int(x) for x in args.concurrency.split(",")) if c <= max_seqs]
@@ -232,9 +232,9 @@ def run_sweep(args, urls: dict[str, str], config, tokenizer: str) -> dict[str, A
 
 
 def sweep_settings():
-    from bench.client import RequestOptions
-    from bench.metrics import Slo
-    from bench.serve import SweepSettings
+    from raylane.bench.client import RequestOptions
+    from raylane.bench.metrics import Slo
+    from raylane.bench.serve import SweepSettings
 
     return SweepSettings(options=RequestOptions(temperature=0.0, ignore_eos=True), slo=Slo(), progress=False)
 
@@ -251,7 +251,7 @@ def checkpoint_params(path: str | Path) -> int:
 
 
 def run_affinity(args: argparse.Namespace) -> dict[str, Any]:
-    import bench.affinity as affinity_bench
+    import raylane.bench.affinity as affinity_bench
 
     parser = argparse.ArgumentParser()
     affinity_bench.add_arguments(parser)
@@ -264,9 +264,9 @@ def run_affinity(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_serving_parts(args: argparse.Namespace, report: dict[str, Any], todo: list[str]) -> None:
-    from bench.apps import LocalServe
-    from bench.serve_floor import floor_app
-    from bench.serving import DEMO_MODEL, serving_config
+    from raylane.bench.apps import LocalServe
+    from raylane.bench.serve_floor import floor_app
+    from raylane.bench.serving import DEMO_MODEL, serving_config
 
     model = args.model or DEMO_MODEL
     configs = {"main": serving_config(model), "nocache": serving_config(model, prefix_caching=False)}
@@ -309,8 +309,8 @@ def measured(part: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.apps import LocalServe
-    from bench.report_markdown import full_markdown, summary_markdown
+    from raylane.bench.apps import LocalServe
+    from raylane.bench.report_markdown import full_markdown, summary_markdown
 
     todo = [p for p in PARTS if p not in args.skip]
     report: dict[str, Any] = {
@@ -337,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"overhead behind http.ingress: {other} not measured: {why}", file=sys.stderr)
         else:
             overhead["other_ingress"] = run_overhead_behind(args, other)
-    from bench.serve import json_safe
+    from raylane.bench.serve import json_safe
 
     write_json(args.out / "report.json", json_safe(report))
     full, summary = full_markdown(report), summary_markdown(report)

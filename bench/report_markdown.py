@@ -97,7 +97,7 @@ def engine_section(part: dict[str, Any]) -> str:
 
 
 def overhead_section(part: dict[str, Any]) -> str:
-    from bench.overhead import table_rows
+    from raylane.bench.overhead import table_rows
 
     s = part["summary"]
     ttft, e2e = s["ttft"]["overhead_p50_ms"], s["e2e"]["overhead_p50_ms"]
@@ -124,7 +124,7 @@ def overhead_section(part: dict[str, Any]) -> str:
 
 def floor_lines(s: dict[str, Any]) -> list[str]:
     """How the overhead splits between Serve's own path and raylane's code, when the floor ran."""
-    from bench.overhead import front_label
+    from raylane.bench.overhead import front_label
 
     if "floor" not in s["ttft"]:
         return []
@@ -161,7 +161,7 @@ INGRESS_WORDS = {
 
 def other_ingress_lines(part: dict[str, Any] | None) -> list[str]:
     """The same measurement behind the other `http.ingress`, when the report made it."""
-    from bench.overhead import table_rows
+    from raylane.bench.overhead import table_rows
 
     if not part:
         return []
@@ -184,7 +184,7 @@ def other_ingress_lines(part: dict[str, Any] | None) -> list[str]:
 
 
 def routing_section(part: dict[str, Any]) -> str:
-    from bench.router import auto_vs_named_rows
+    from raylane.bench.router import auto_vs_named_rows
 
     s = part["summary"]
     routes = ", ".join(f"{r} {n}" for r, n in sorted(s["auto_routes"].items()))
@@ -365,7 +365,7 @@ def full_markdown(report: dict[str, Any]) -> str:
 
 
 def summary_rows(report: dict[str, Any]) -> list[list[str]]:
-    from bench.overhead import front_label
+    from raylane.bench.overhead import front_label
 
     parts = report["parts"]
 

@@ -26,11 +26,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.client import RequestOptions, chat_stream_args, measure_stream
-from bench.common import OtherLoad, machine_info, print_table, process_tree_cpu_s, pyplot, write_json
-from bench.datasets import BenchRequest
-from bench.metrics import RequestRecord, latency_stats_ms
-from bench.metrics import percentile as metrics_percentile
+from raylane.bench.client import RequestOptions, chat_stream_args, measure_stream
+from raylane.bench.common import OtherLoad, machine_info, print_table, process_tree_cpu_s, pyplot, write_json
+from raylane.bench.datasets import BenchRequest
+from raylane.bench.metrics import RequestRecord, latency_stats_ms
+from raylane.bench.metrics import percentile as metrics_percentile
 
 # case -> (approximate prompt tokens, timed requests)
 CASES = {"short": (15, 300), "200 tokens": (200, 200), "2,000 tokens": (2000, 100)}
@@ -107,10 +107,9 @@ def run(args: argparse.Namespace) -> int:
 
 def run_classifier(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-
-    from cluster.config import RouterConfig
-    from router.classifier import SemanticClassifier
-    from router.dataset import EVAL_PATH, TRAIN_PATH, read_labelled
+    from raylane.config import RouterConfig
+    from raylane.router.classifier import SemanticClassifier
+    from raylane.router.dataset import EVAL_PATH, TRAIN_PATH, read_labelled
 
     torch.set_num_threads(args.threads)
     machine = machine_info()
@@ -204,7 +203,7 @@ def write_plot(path: Path, result: dict[str, Any]) -> None:
 
 @dataclass(slots=True)
 class Routed:
-    """One request's timing (bench.metrics.RequestRecord) and where the gateway sent it."""
+    """One request's timing (raylane.bench.metrics.RequestRecord) and where the gateway sent it."""
 
     record: RequestRecord
     pool: str | None = None
@@ -213,10 +212,9 @@ class Routed:
 
 def routing_prompts(num: int, seed: int, tokens: int = 200) -> list[str]:
     """`num` new ~`tokens`-token prompts (MiniLM tokens) built from the labelled routing prompts."""
+    from raylane.router.dataset import EVAL_PATH, TRAIN_PATH, read_labelled
+    from raylane.router.embeddings import model_path
     from tokenizers import Tokenizer
-
-    from router.dataset import EVAL_PATH, TRAIN_PATH, read_labelled
-    from router.embeddings import model_path
 
     tokenizer = Tokenizer.from_file(f"{model_path()}/tokenizer.json")  # the classifier's word pieces
     tokenizer.no_truncation()  # the file cuts at the model's window: a count could never reach `tokens`
@@ -328,8 +326,8 @@ def auto_vs_named_verdict(summary: dict[str, Any]) -> str:
 
 def run_live(args: argparse.Namespace) -> dict[str, Any]:
     """The live measurement against --base-url, or against bench/serving.py's app started here."""
-    from bench.apps import LocalServe
-    from bench.serving import serving_config
+    from raylane.bench.apps import LocalServe
+    from raylane.bench.serving import serving_config
 
     prompts = routing_prompts(args.live_pairs + 2, args.seed + 1)
     with contextlib.ExitStack() as stack:

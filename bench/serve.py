@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.client import Endpoint, RequestOptions, make_client, run_requests, send_one
-from bench.common import OtherLoad, client_machine, print_table, pyplot, write_json
-from bench.datasets import BenchRequest, DatasetUnavailable, add_dataset_arguments, requests_from_args
-from bench.metrics import LATENCIES, Slo, parse_slo, summarize
+from raylane.bench.client import Endpoint, RequestOptions, make_client, run_requests, send_one
+from raylane.bench.common import OtherLoad, client_machine, print_table, pyplot, write_json
+from raylane.bench.datasets import BenchRequest, DatasetUnavailable, add_dataset_arguments, requests_from_args
+from raylane.bench.metrics import LATENCIES, Slo, parse_slo, summarize
 
 # The client shares the machine with whatever it measures; past this share of one core spent in the
 # client itself, its own parsing may be what limits the numbers.

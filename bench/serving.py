@@ -12,7 +12,7 @@ report`): one pool of one replica, so every request meets the same engine.
   with one tier, `bench`, without rate limits and with a deep queue.
 """
 
-from cluster.config import ClusterConfig, default_routes
+from raylane.config import ClusterConfig, default_routes
 
 DEMO_MODEL = "demo:raylane-llama-tiny"
 POOL = "chat"

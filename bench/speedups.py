@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import OtherLoad, machine_info, print_table, write_json
+from raylane.bench.common import OtherLoad, machine_info, print_table, write_json
 
 GOAL_SPEEDUP, GOAL_SLOWDOWN, GOAL_INT8_RATIO = 2.0, 0.05, 0.30
 QUANT_SETTINGS = {
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def windowed_demo_model(demo_dir: Path | None, window: int, work_dir: Path) -> Path:
-    from cluster.demo_models import LLAMA, create_demo_models, default_demo_dir
+    from raylane.models.demo import LLAMA, create_demo_models, default_demo_dir
 
     src = create_demo_models(demo_dir or default_demo_dir(), names=[LLAMA])[LLAMA]
     dst = work_dir / f"{LLAMA}-window{window}"
@@ -63,8 +63,7 @@ def windowed_demo_model(demo_dir: Path | None, window: int, work_dir: Path) -> P
 
 def make_workloads(model: Path, args: argparse.Namespace) -> dict[str, list[list[int]]]:
     import torch
-
-    from engine import LLM, SamplingParams
+    from raylane.engine import LLM, SamplingParams
 
     n = max(args.batch_sizes)
     g = torch.Generator().manual_seed(0)
@@ -80,7 +79,7 @@ def make_workloads(model: Path, args: argparse.Namespace) -> dict[str, list[list
 
 
 def decode_run(llm, prompts: list[list[int]], output_len: int) -> dict[str, float]:
-    from engine import SamplingParams
+    from raylane.engine import SamplingParams
 
     engine = llm.engine
     engine.block_manager.reset_prefix_cache()
@@ -114,7 +113,7 @@ def interleaved(runs: dict[str, Any], repeats: int) -> tuple[dict[str, dict[str,
 
 
 def bench_speculation(model: Path, workloads, args: argparse.Namespace) -> tuple[list[dict], float]:
-    from engine import LLM
+    from raylane.engine import LLM
 
     spec = dict(
         method="ngram",
@@ -156,7 +155,7 @@ def bench_speculation(model: Path, workloads, args: argparse.Namespace) -> tuple
 
 def lookup_cost_us(workloads, args: argparse.Namespace) -> float:
     """The proposer's own cost, all the ngram setting adds where it finds nothing to draft."""
-    from engine.spec_decode.ngram import ngram_lookup
+    from raylane.engine.spec_decode.ngram import ngram_lookup
 
     context = workloads["fresh"][0] + workloads["fresh"][1][: args.output_len]
     start = time.perf_counter()
@@ -166,7 +165,7 @@ def lookup_cost_us(workloads, args: argparse.Namespace) -> float:
 
 
 def bench_quantization(model: Path, workloads, args: argparse.Namespace) -> tuple[list[dict], float]:
-    from engine import LLM
+    from raylane.engine import LLM
 
     llms = {name: LLM(str(model), num_kv_blocks=1024, **kw) for name, kw in QUANT_SETTINGS.items()}
     prompts = workloads["fresh"]

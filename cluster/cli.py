@@ -10,13 +10,19 @@ import sys
 
 # subcommand -> (module with `add_arguments(parser)` and `run(args)`, help text)
 SUBCOMMANDS = {
-    "demo-models": ("cluster.demo_models", "create the small demo checkpoints (Llama, Qwen3-MoE)"),
-    "generate": ("cluster.generate", "generate text offline with the engine from a local checkpoint"),
-    "bench": ("bench.cli", "run a benchmark (engine, ...) and print its table"),
-    "serve": ("cluster.serve", "serve the OpenAI-compatible API (Ray Serve) in the foreground"),
-    "k8s": ("cluster.k8s", "render the KubeRay manifests (RayService, RayJobs, ...) of a config"),
-    "route": ("cluster.route", "show the semantic router's decisions for prompts, or its accuracy (--eval)"),
-    "status": ("cluster.status", "show the live cluster's pools, replicas, load, tokens/s and errors"),
+    "demo-models": ("raylane.models.demo", "create the small demo checkpoints (Llama, Qwen3-MoE)"),
+    "generate": ("raylane.cluster.generate", "generate text offline with the engine from a local checkpoint"),
+    "bench": ("raylane.bench.cli", "run a benchmark (engine, ...) and print its table"),
+    "serve": ("raylane.cluster.serve", "serve the OpenAI-compatible API (Ray Serve) in the foreground"),
+    "k8s": ("raylane.cluster.k8s", "render the KubeRay manifests (RayService, RayJobs, ...) of a config"),
+    "route": (
+        "raylane.cluster.route",
+        "show the semantic router's decisions for prompts, or its accuracy (--eval)",
+    ),
+    "status": (
+        "raylane.cluster.status",
+        "show the live cluster's pools, replicas, load, tokens/s and errors",
+    ),
 }
 
 

@@ -13,8 +13,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.demo_models import create_demo_models, default_demo_dir
-    from engine import LLM, SamplingParams
+    from raylane.engine import LLM, SamplingParams
+    from raylane.models.demo import create_demo_models, default_demo_dir
 
     model = args.model or str(create_demo_models(default_demo_dir())["raylane-llama-tiny"])
     llm = LLM(model)

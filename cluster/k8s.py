@@ -3,7 +3,7 @@
 From one `ClusterConfig` it writes a kustomize directory:
 
 - `rayservice.yaml`: a `RayService` (ray.io/v1). Its `serveConfigV2` names the same application
-  builder `raylane serve` deploys (`deployments.app:build_app`, the config itself as `args`), so
+  builder `raylane serve` deploys (`raylane.deployments.app:build_app`, the config itself as `args`), so
   what runs on Kubernetes is what runs locally. Worker groups follow the pools: one pod hosts one
   replica (all its ranks, `nvidia.com/gpu` = ranks on GPU pools) and advertises a Ray resource
   `raylane_pool_<name>` that the pool's first placement-group bundle asks for, so each pool's
@@ -46,8 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from cluster.serve_env import SERVE_ENV
+from raylane.cluster.serve_env import SERVE_ENV
 
 HTTP_PORT_NAME, METRICS_PORT, DASHBOARD_PORT, GCS_PORT, CLIENT_PORT = "serve", 8080, 8265, 6379, 10001
 AGENT_PORT = 52365
@@ -93,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.config import ConfigError
+    from raylane.config import ConfigError
 
     try:
         if args.k8s_command == "sync":
@@ -138,7 +137,7 @@ def write_dir(out: Path, files: dict[str, str]) -> None:
 
 def render_files(args: argparse.Namespace) -> dict[str, str]:
     """File name (relative to --out; `jobs/...` under --jobs) -> YAML text."""
-    from cluster.config import ClusterConfig, default_config
+    from raylane.config import ClusterConfig, default_config
 
     config = ClusterConfig.from_yaml(args.config) if args.config else default_config()
     objects = render_objects(config, args)
@@ -283,7 +282,7 @@ def app_args(config) -> dict[str, Any]:
 def serve_config(config) -> dict[str, Any]:
     """Serve's declarative config: the same builder and options `raylane serve` deploys, plus the
     Ray resources that pin each pool to its worker group."""
-    from deployments.app import APP_NAME, gateway_deployment_options, pool_deployment_options
+    from raylane.deployments.app import APP_NAME, gateway_deployment_options, pool_deployment_options
 
     deployments = []
     for pool in config.pools:
@@ -304,7 +303,7 @@ def serve_config(config) -> dict[str, Any]:
             {
                 "name": APP_NAME,
                 "route_prefix": "/",
-                "import_path": "deployments.app:build_app",
+                "import_path": "raylane.deployments.app:build_app",
                 "args": app_args(config),
                 "deployments": deployments,
             }
@@ -448,7 +447,7 @@ def uses_models_volume(config, args) -> bool:
 
 def worker_group(config, args, pool, models: bool) -> dict[str, Any]:
     """One pod per replica: its ranks, their CPUs and GPUs, and the pool's pinning resource."""
-    from deployments.app import pool_deployment_options
+    from raylane.deployments.app import pool_deployment_options
 
     bundles = pool_deployment_options(pool)["placement_group_bundles"]
     gpus = int(sum(b.get("GPU", 0) for b in bundles))
@@ -599,7 +598,7 @@ def job_arguments(config, job: str) -> list[str]:
 def render_jobs(config, name: str) -> dict[str, dict]:
     jobs = {}
     for job in JOBS:
-        entrypoint = " ".join(["python", "-m", f"cluster.jobs.{job}", *job_arguments(config, job)])
+        entrypoint = " ".join(["python", "-m", f"raylane.cluster.jobs.{job}", *job_arguments(config, job)])
         jobs[job] = {
             "apiVersion": "ray.io/v1",
             "kind": "RayJob",

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.serve_env import free_port
+from raylane.cluster.serve_env import free_port
 
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 15.0

@@ -33,9 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    from cluster.config import ClusterConfig, ConfigError, RouterConfig
-    from router.classifier import SemanticClassifier
+    from raylane.config import ClusterConfig, ConfigError, RouterConfig
+    from raylane.router.classifier import SemanticClassifier
 
     torch.set_num_threads(1)  # one short input at a time: a second thread only spin-waits on shared cores
     try:
@@ -91,8 +90,8 @@ def _messages(line: str) -> list[dict]:
 
 
 def _evaluate(classifier, args: argparse.Namespace) -> int:
-    from router.dataset import CONVERSATIONS_EVAL_PATH, EVAL_PATH, read_conversations, read_labelled
-    from router.evaluate import evaluate, evaluate_conversations, humaneval_examples
+    from raylane.router.dataset import CONVERSATIONS_EVAL_PATH, EVAL_PATH, read_conversations, read_labelled
+    from raylane.router.evaluate import evaluate, evaluate_conversations, humaneval_examples
 
     paths = [EVAL_PATH, CONVERSATIONS_EVAL_PATH] if args.eval == "builtin" else [args.eval]
     for number, path in enumerate(paths):

@@ -10,7 +10,7 @@ Against a cluster that already runs the app (RAY_ADDRESS, or a local Ray already
 port) it redeploys the new config in place and returns. Serve restarts every deployment of the app
 (the config is the app's argument, so any change is a new code version for all of them). Each old
 replica stops taking requests first and finishes its in-flight requests and streams (up to
-`deployments.app.GRACEFUL_SHUTDOWN_TIMEOUT_S`) while the new one starts; requests that arrive
+`raylane.deployments.app.GRACEFUL_SHUTDOWN_TIMEOUT_S`) while the new one starts; requests that arrive
 meanwhile wait for the new replicas, or get 503 `pool_unavailable` with Retry-After once the new
 gateway is up before the pools are.
 """
@@ -36,8 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_config(args: argparse.Namespace):
     from pydantic import ValidationError
-
-    from cluster.config import ClusterConfig, ConfigError, HttpConfig, default_config, format_errors
+    from raylane.config import ClusterConfig, ConfigError, HttpConfig, default_config, format_errors
 
     config = ClusterConfig.from_yaml(args.config) if args.config else default_config()
     if getattr(args, "access_log", False):
@@ -54,14 +53,14 @@ def load_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.config import ConfigError
+    from raylane.config import ConfigError
 
     try:
         config = load_config(args)
     except ConfigError as e:
         print(f"raylane serve: {e}", file=sys.stderr)
         return 2
-    from cluster.serve_env import port_problem
+    from raylane.cluster.serve_env import port_problem
 
     joined = bool(os.environ.get("RAY_ADDRESS"))
     problem = None if joined else port_problem(config.http.host, config.http.port)
@@ -79,24 +78,23 @@ def run(args: argparse.Namespace) -> int:
         print("raylane serve: " + "; ".join(missing), file=sys.stderr)
         return 2
     if not joined and config.http.ingress == "haproxy":
-        from cluster.serve_env import haproxy_problem
+        from raylane.cluster.serve_env import haproxy_problem
 
         if why := haproxy_problem():
             print(f"raylane serve: http.ingress: haproxy: {why}; use proxy", file=sys.stderr)
             return 2
     demo = sorted({p.demo_model for p in config.pools if p.demo_model})
     if demo:  # write them here, with a progress bar, rather than silently in each replica
-        from cluster.demo_models import create_demo_models, default_demo_dir
+        from raylane.models.demo import create_demo_models, default_demo_dir
 
         create_demo_models(default_demo_dir(), names=demo)
     prepare_gguf_sidecars(config)
 
     import ray
     from ray import serve
-
-    from cluster.local_head import LocalHead
-    from cluster.serve_env import serve_env
-    from deployments.app import APP_NAME, build_app
+    from raylane.cluster.local_head import LocalHead
+    from raylane.cluster.serve_env import serve_env
+    from raylane.deployments.app import APP_NAME, build_app
 
     status, head = 0, None
     # This process's Serve client logs each step at INFO too ("Started Serve", "Application ... is ready"
@@ -163,9 +161,8 @@ def redeploy_in_place(config) -> int | None:
     import ray
     from ray import serve
     from ray.serve.context import _get_global_client
-
-    from cluster.serve_env import running_ingress
-    from deployments.app import APP_NAME, build_app
+    from raylane.cluster.serve_env import running_ingress
+    from raylane.deployments.app import APP_NAME, build_app
 
     try:
         ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", namespace="raylane", log_to_driver=False)
@@ -205,9 +202,9 @@ def redeploy_in_place(config) -> int | None:
 
 def missing_checkpoints(config) -> list[str]:
     """Pools whose checkpoint is not here (each replica would fail and retry)."""
-    from cluster.model_sources import model_path
-    from cluster.packaged_models import PackagedModelMissing
-    from models.gguf import is_gguf
+    from raylane.models.gguf import is_gguf
+    from raylane.models.packaged import PackagedModelMissing
+    from raylane.models.sources import model_path
 
     missing = []
     for i, p in enumerate(config.pools):
@@ -225,8 +222,8 @@ def missing_checkpoints(config) -> list[str]:
 def prepare_gguf_sidecars(config) -> None:
     """A GGUF pool's tokenizer and config are converted once per machine (models/gguf.py): do it here,
     saying so, rather than in each replica at once."""
-    from cluster.model_sources import model_path
-    from models.gguf import gguf_sidecar, is_gguf
+    from raylane.models.gguf import gguf_sidecar, is_gguf
+    from raylane.models.sources import model_path
 
     for path in dict.fromkeys(model_path(p) for p in config.pools if p.demo_model is None):
         if is_gguf(path):
@@ -244,8 +241,8 @@ def _stop_on(signum: int) -> None:
 
 def _drain(timeout_s: float) -> None:
     """New requests get 503 + Retry-After while those in flight finish (up to `timeout_s`)."""
-    from deployments.app import APP_NAME
-    from deployments.drain import drain_app
+    from raylane.deployments.app import APP_NAME
+    from raylane.deployments.gateway.drain import drain_app
 
     def waiting(busy: dict[str, int]) -> None:
         in_flight = sum(busy.values())
@@ -261,8 +258,8 @@ def _drain(timeout_s: float) -> None:
 
 
 def _shutdown(serve, joined: bool) -> None:
-    from deployments.app import APP_NAME
-    from deployments.response_store import delete_response_store
+    from raylane.deployments.app import APP_NAME
+    from raylane.deployments.gateway.response_store import delete_response_store
 
     try:
         if joined:  # leave other apps on a shared cluster alone

@@ -89,8 +89,7 @@ def collect(app_name: str = "raylane") -> tuple[list[PoolRow], dict]:
 
 def _snapshot(app_name: str) -> dict | None:
     import ray
-
-    from deployments.metrics.aggregator import get_aggregator
+    from raylane.deployments.metrics.aggregator import get_aggregator
 
     try:
         return ray.get(get_aggregator(app_name, create=False).snapshot.remote(), timeout=30)

@@ -1,15 +1,16 @@
-"""Train the demo byte-level BPE tokenizer and write `cluster/assets/tokenizer.json`.
+"""Train the demo byte-level BPE tokenizer and write `models/assets/tokenizer.json`.
 
-Run `python -m cluster.train_tokenizer` after changing the corpus; the result is deterministic, so
-rerunning without changes rewrites the same file. Creating demo models only reads the shipped file.
+Run `python -m raylane.cluster.train_tokenizer` after changing the corpus; the result is
+deterministic, so rerunning without changes rewrites the same file. Creating demo models only reads
+the shipped file.
 """
 
 import argparse
 from pathlib import Path
 
-from cluster.tokenizer_corpus import corpus
+from raylane.cluster.tokenizer_corpus import corpus
+from raylane.models.demo import ASSETS
 
-ASSETS = Path(__file__).parent / "assets"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Not special: they are part of the assistant's visible output, so decoding must keep them.
 TOOL_TOKENS = ["<tool_call>", "</tool_call>"]

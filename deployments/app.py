@@ -3,7 +3,7 @@
 
     serve.run(build_app(ClusterConfig.from_yaml("cluster.yaml")), name=APP_NAME, route_prefix="/")
 
-A Serve config file can name it too: `import_path: deployments.app:build_app` with
+A Serve config file can name it too: `import_path: raylane.deployments.app:build_app` with
 `args: {config_path: cluster.yaml}` or the config itself under `args`.
 """
 
@@ -16,15 +16,14 @@ import ray
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
-
-from cluster.config import ClusterConfig, PoolConfig
-from cluster.model_sources import prepare_engine_config
-from deployments.autoscaling import LLMAutoscalingPolicy
-from deployments.gateway import Gateway
-from deployments.model_pool import ModelPool
-from deployments.pool_health import pool_deployment_name
-from deployments.request_router import PrefixAwareRouter
-from engine.executor.placement import DRIVER_GPU_SHARE
+from raylane.config import ClusterConfig, PoolConfig
+from raylane.deployments.gateway.ingress import Gateway
+from raylane.deployments.gateway.pool_health import pool_deployment_name
+from raylane.deployments.gateway.request_router import PrefixAwareRouter
+from raylane.deployments.pool.autoscaling import LLMAutoscalingPolicy
+from raylane.deployments.pool.model_pool import ModelPool
+from raylane.engine.executor.placement import DRIVER_GPU_SHARE
+from raylane.models.sources import prepare_engine_config
 
 APP_NAME = "raylane"
 # At tensor-parallel size > 1 every rank is an actor; the replica itself only schedules and samples.
@@ -37,10 +36,10 @@ GRACEFUL_SHUTDOWN_TIMEOUT_S = 120.0
 
 
 def serve_logging(access_log: bool) -> dict[str, Any]:
-    """Serve's own access log line per call (to a file and to stderr, which Ray's log monitor then tails
-    and ships to the driver) repeats the gateway's request log (deployments/request_log.py), adds a line
-    per internal health poll, and under a flood of 429s takes CPU from the requests being served: off
-    unless `logs.serve_access_log`."""
+    """Serve's own access log line per call (to a file and to stderr, which Ray's log monitor then tails and
+    ships to the driver) repeats the gateway's request log (deployments/gateway/request_log.py), adds a line
+    per internal health poll, and under a flood of 429s takes CPU from the requests being served: off unless
+    `logs.serve_access_log`."""
     return {"enable_access_log": access_log}
 
 
@@ -99,7 +98,7 @@ def pool_deployment_options(
 
 
 def request_router_config(pool: PoolConfig) -> RequestRouterConfig:
-    """The pool's replica router (deployments/request_router.py), in every handle to the pool."""
+    """The pool's replica router (deployments/gateway/request_router.py), in every handle to the pool."""
     routing = pool.routing
     return RequestRouterConfig(
         request_router_class=PrefixAwareRouter,
@@ -145,7 +144,7 @@ def build_app(config: ClusterConfig | dict[str, Any] | str | os.PathLike | None 
 
 
 def _coerce(config) -> ClusterConfig:
-    from cluster.config import default_config
+    from raylane.config import default_config
 
     if config is None:
         return default_config()

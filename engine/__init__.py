@@ -1,6 +1,6 @@
 """One replica's inference engine (vLLM-shaped): `LLM` offline, `AsyncLLM` for serving.
 
-The names load on first use (PEP 562): a serving process that imports `engine.async_llm` with an
+The names load on first use (PEP 562): a serving process that imports `raylane.engine.async_llm` with an
 engine core process does not import the model, the runner and their torch/transformers modules,
 which only the core process runs (a replica restarts faster without them).
 """
@@ -8,18 +8,18 @@ which only the core process runs (a replica restarts faster without them).
 import importlib
 
 _EXPORTS = {
-    "LLM": "engine.llm",
-    "AsyncLLM": "engine.async_llm",
-    "EngineConfig": "cluster.config",
-    "EngineDeadError": "engine.errors",
-    "InsufficientResourcesError": "engine.errors",
-    "LLMEngine": "engine.llm_engine",
-    "SamplingParams": "engine.sampling_params",
-    "RequestOutput": "engine.outputs",
-    "RequestOutputKind": "engine.sampling_params",
-    "Resumption": "engine.request",
-    "CompletionOutput": "engine.outputs",
-    "Logprob": "engine.outputs",
+    "LLM": "raylane.engine.llm",
+    "AsyncLLM": "raylane.engine.async_llm",
+    "EngineConfig": "raylane.config",
+    "EngineDeadError": "raylane.engine.errors",
+    "InsufficientResourcesError": "raylane.engine.errors",
+    "LLMEngine": "raylane.engine.llm_engine",
+    "SamplingParams": "raylane.engine.sampling_params",
+    "RequestOutput": "raylane.engine.outputs",
+    "RequestOutputKind": "raylane.engine.sampling_params",
+    "Resumption": "raylane.engine.request",
+    "CompletionOutput": "raylane.engine.outputs",
+    "Logprob": "raylane.engine.outputs",
 }
 __all__ = sorted(_EXPORTS)
 

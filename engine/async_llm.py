@@ -21,8 +21,8 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
-from cluster.config import EngineConfig
-from engine.core_messages import (
+from raylane.config import EngineConfig
+from raylane.engine.core_messages import (
     Aborted,
     AbortRequest,
     AddRequest,
@@ -34,15 +34,15 @@ from engine.core_messages import (
     RunInEngine,
     RunResult,
 )
-from engine.errors import EngineDeadError
-from engine.output_collector import RequestOutputCollector
-from engine.outputs import RequestOutput
-from engine.request import Resumption
-from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.tokenizer import load_tokenizer
+from raylane.engine.errors import EngineDeadError
+from raylane.engine.output_collector import RequestOutputCollector
+from raylane.engine.outputs import RequestOutput
+from raylane.engine.request import Resumption
+from raylane.engine.sampling_params import RequestOutputKind, SamplingParams
+from raylane.engine.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:  # the model and its torch/transformers imports load only where the engine runs
-    from engine.llm_engine import LLMEngine
+    from raylane.engine.llm_engine import LLMEngine
 
 
 class AsyncLLM:
@@ -58,12 +58,12 @@ class AsyncLLM:
         # AsyncLLM stops the core (thread or process) and releases its ranks through the finalizer.
         on_events = _weak_callback(self._on_events)
         if placement_group is None and self.config.uses_core_process:
-            from engine.core_proc import EngineCoreProc
+            from raylane.engine.core_proc import EngineCoreProc
 
             self._core = EngineCoreProc(self.config, on_events)
             self.engine: LLMEngine | None = None  # it lives in the core process
         else:
-            from engine.core_thread import EngineCoreThread
+            from raylane.engine.core_thread import EngineCoreThread
 
             self._core = EngineCoreThread(self.config, placement_group, on_events)
             self.engine = self._core.engine

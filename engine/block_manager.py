@@ -17,7 +17,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.request import Request
+from raylane.engine.request import Request
 
 NULL_BLOCK = -1  # a block-table entry whose block was released (outside the sliding window)
 

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.config import EngineConfig
-from engine.outputs import RequestOutput
-from engine.request import Resumption
-from engine.sampling_params import SamplingParams
+from raylane.config import EngineConfig
+from raylane.engine.outputs import RequestOutput
+from raylane.engine.request import Resumption
+from raylane.engine.sampling_params import SamplingParams
 
 # -- commands ------------------------------------------------------------------------------------
 

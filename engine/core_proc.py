@@ -6,7 +6,7 @@ Python for the GIL, so streaming slows the steps themselves. Here the `EngineLoo
 process (spawned, so no thread state is forked) and talks to `AsyncLLM` over a pipe: pickled
 commands in, one pickled list of events per engine pass out (`engine/core_messages.py`), never a
 round trip per step.
-The child is `python -m engine.core_proc FD` with one end of a socket pair, not a multiprocessing
+The child is `python -m raylane.engine.core_proc FD` with one end of a socket pair, not a multiprocessing
 spawn, which would re-run the caller's `__main__` script in the child.
 
 The child ignores SIGINT (the serving process decides when to stop: `raylane serve` drains first)
@@ -28,8 +28,8 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from cluster.config import EngineConfig
-from engine.core_messages import (
+from raylane.config import EngineConfig
+from raylane.engine.core_messages import (
     Command,
     CoreFailed,
     CoreReady,
@@ -39,8 +39,8 @@ from engine.core_messages import (
     Shutdown,
     StartCore,
 )
-from engine.engine_loop import EngineLoop
-from engine.errors import EngineDeadError
+from raylane.engine.engine_loop import EngineLoop
+from raylane.engine.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +71,7 @@ def _sendable(message):
 def run_engine_core(conn: Connection) -> None:
     """The child's main: load the engine, report ready, then run the loop until `Shutdown` or EOF."""
     import torch
-
-    from engine.llm_engine import LLMEngine
+    from raylane.engine.llm_engine import LLMEngine
 
     start: StartCore = pickle.loads(conn.recv_bytes())
     torch.set_num_threads(start.torch_threads)
@@ -118,7 +117,7 @@ class EngineCoreProc:
         mine, theirs = socket.socketpair()
         env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # import what we import
         fd = theirs.fileno()
-        command = [sys.executable, "-m", "engine.core_proc", str(fd)]
+        command = [sys.executable, "-m", "raylane.engine.core_proc", str(fd)]
         self.process = subprocess.Popen(command, pass_fds=[fd], env=env)
         theirs.close()
         self._conn = Connection(mine.detach())

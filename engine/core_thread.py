@@ -9,10 +9,10 @@ import queue
 import threading
 from collections.abc import Callable
 
-from cluster.config import EngineConfig
-from engine.core_messages import Command, Event, Shutdown
-from engine.engine_loop import EngineLoop, queue_receiver
-from engine.llm_engine import LLMEngine
+from raylane.config import EngineConfig
+from raylane.engine.core_messages import Command, Event, Shutdown
+from raylane.engine.engine_loop import EngineLoop, queue_receiver
+from raylane.engine.llm_engine import LLMEngine
 
 
 class EngineCoreThread:

@@ -19,9 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-
-from models.attention import AttentionMetadata, new_token_slots
-from models.paged_kernel import build_paged_args
+from raylane.models.attention import AttentionMetadata, new_token_slots
+from raylane.models.paged_kernel import build_paged_args
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

@@ -12,7 +12,7 @@ import logging
 import queue
 from collections.abc import Callable
 
-from engine.core_messages import (
+from raylane.engine.core_messages import (
     Aborted,
     AbortRequest,
     AddRequest,
@@ -25,8 +25,8 @@ from engine.core_messages import (
     RunResult,
     Shutdown,
 )
-from engine.errors import EngineDeadError
-from engine.llm_engine import LLMEngine
+from raylane.engine.errors import EngineDeadError
+from raylane.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 

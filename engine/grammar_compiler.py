@@ -49,8 +49,9 @@ POOL_MAX_PENDING = 64  # a pool's compile worker: the calls of all its gateways
 START_TIMEOUT_S = 180.0  # a cold forkserver imports torch + xgrammar: slow on a busy machine
 MAX_COMPILED_BYTES = 2 * 1024 * 1024  # serialized compiled grammar the engine loop may deserialize
 
-# What a pool's compile workers import (a gateway's check workers import deployments.sampling).
-COMPILE_PRELOAD = ("engine.structured_output",)
+# What a pool's compile workers import (a gateway's check workers import
+# raylane.deployments.protocol.sampling).
+COMPILE_PRELOAD = ("raylane.engine.structured_output",)
 logger = logging.getLogger(__name__)
 
 
@@ -269,7 +270,7 @@ def _init_compiler(tokenizer_info_json: str) -> None:
 def compile_serialized(params) -> str:
     """In the worker: check, build and compile `params` (a `StructuredOutputParams`); the compiled
     grammar as xgrammar's JSON."""
-    from engine.structured_output import _clean
+    from raylane.engine.structured_output import _clean
 
     grammar = params.validate()
     try:

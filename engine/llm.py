@@ -2,10 +2,10 @@
 
 from collections.abc import Sequence
 
-from cluster.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from raylane.config import EngineConfig
+from raylane.engine.llm_engine import LLMEngine
+from raylane.engine.outputs import RequestOutput
+from raylane.engine.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 

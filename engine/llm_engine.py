@@ -13,21 +13,20 @@ import time
 import weakref
 
 import torch
-
-from cluster.config import EngineConfig
-from engine.block_manager import BlockManager
-from engine.errors import EngineDeadError
-from engine.executor import make_executor
-from engine.model_runner import ModelInput
-from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
-from engine.request import Request, RequestStatus, Resumption
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.spec_decode import RejectionSampler, SpecDecodeStats, make_proposer
-from engine.tokenizer import eos_token_ids, load_tokenizer
-from models.decoder import sliding_window_of
+from raylane.config import EngineConfig
+from raylane.engine.block_manager import BlockManager
+from raylane.engine.errors import EngineDeadError
+from raylane.engine.executor import make_executor
+from raylane.engine.model_runner import ModelInput
+from raylane.engine.output_processor import OutputProcessor
+from raylane.engine.outputs import RequestOutput
+from raylane.engine.request import Request, RequestStatus, Resumption
+from raylane.engine.sampler import Sampler
+from raylane.engine.sampling_params import SamplingParams
+from raylane.engine.scheduler import Scheduler, SchedulerOutput
+from raylane.engine.spec_decode import RejectionSampler, SpecDecodeStats, make_proposer
+from raylane.engine.tokenizer import eos_token_ids, load_tokenizer
+from raylane.models.decoder import sliding_window_of
 
 
 class LLMEngine:
@@ -177,7 +176,7 @@ class LLMEngine:
     @property
     def structured_output(self):
         if self._structured is None:
-            from engine.structured_output import StructuredOutputManager
+            from raylane.engine.structured_output import StructuredOutputManager
 
             if self.tokenizer is None:
                 raise ValueError("structured: grammar-constrained decoding needs a tokenizer")

@@ -12,15 +12,14 @@ import time
 from dataclasses import dataclass
 
 import torch
-
-from cluster.config import EngineConfig
-from engine.cuda_graph import DecodeGraphs, capture_sizes
-from engine.memory_profile import DraftReservation, KVCacheSplit, MemoryReport, kv_cache_split
-from models import load_model
-from models.attention import build_attention_metadata
-from models.gguf import checkpoint_dir
-from models.paged_kernel import resolve_attention
-from parallel.onednn import packed_bytes
+from raylane.config import EngineConfig
+from raylane.engine.cuda_graph import DecodeGraphs, capture_sizes
+from raylane.engine.memory_profile import DraftReservation, KVCacheSplit, MemoryReport, kv_cache_split
+from raylane.models import load_model
+from raylane.models.attention import build_attention_metadata
+from raylane.models.gguf import checkpoint_dir
+from raylane.models.paged_kernel import resolve_attention
+from raylane.parallel.onednn import packed_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +86,7 @@ class ModelRunner:
     def available_kv_blocks(self, draft: DraftReservation | None = None) -> int:
         """KV blocks this rank can hold: `num_kv_blocks` if set; on CPU what `kv_cache_memory_gb`
         holds; on a GPU what is left under `gpu_memory_utilization` after a profiling step (and a
-        `draft` model on the same device), as `engine.memory_profile` computes it."""
+        `draft` model on the same device), as `raylane.engine.memory_profile` computes it."""
         if self.config.num_kv_blocks:
             return self.config.num_kv_blocks
         if self.device.type != "cuda":

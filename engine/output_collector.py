@@ -9,7 +9,7 @@ output after the first waits until it carries at least N tokens, or the request 
 
 import asyncio
 
-from engine.outputs import RequestOutput
+from raylane.engine.outputs import RequestOutput
 
 
 class RequestOutputCollector:

@@ -11,10 +11,10 @@ request in the same step, so it is never scheduled again.
 import time
 from dataclasses import dataclass, field
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
-from engine.request import Request, RequestStatus
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from raylane.engine.detokenizer import IncrementalDetokenizer
+from raylane.engine.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+from raylane.engine.request import Request, RequestStatus
+from raylane.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass(slots=True, eq=False)

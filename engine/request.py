@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from engine.sampling_params import SamplingParams
+from raylane.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

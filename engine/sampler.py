@@ -18,9 +18,8 @@ those of the raw model distribution, before this mask, penalties and filters (vL
 from dataclasses import dataclass
 
 import torch
-
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from raylane.engine.request import Request
+from raylane.engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

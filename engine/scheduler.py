@@ -12,8 +12,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus
+from raylane.engine.block_manager import BlockManager
+from raylane.engine.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

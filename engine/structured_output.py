@@ -7,7 +7,7 @@ logits rows; after sampling it feeds the chosen token back with `accept_token`. 
 is complete xgrammar only allows stop tokens; accepting one terminates the matcher.
 
 A client's grammar can cost exponential time to check, build and compile; the serving path does
-that work in a bounded worker process (`engine.grammar_compiler`) and passes the result here as
+that work in a bounded worker process (`raylane.engine.grammar_compiler`) and passes the result here as
 `StructuredOutputParams.compiled`, so the engine loop only deserializes it. Constructing the
 params with `check=False` skips the (unbounded) check for a caller that runs `validate()` there.
 """
@@ -48,7 +48,7 @@ class StructuredOutputParams:
     grammar: str | None = None  # EBNF (GBNF dialect), root rule `root`
     whitespace_flexible: bool = True  # JSON: allow any whitespace; False = compact `,` and `:`
     check: bool = field(default=True, repr=False, compare=False)  # False: the caller runs validate()
-    # xgrammar's serialized CompiledGrammar for the engine's tokenizer (engine.grammar_compiler)
+    # xgrammar's serialized CompiledGrammar for the engine's tokenizer (raylane.engine.grammar_compiler)
     compiled: str | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -2,7 +2,7 @@
 
 import os
 
-from models.gguf import checkpoint_dir
+from raylane.models.gguf import checkpoint_dir
 
 
 def load_tokenizer(path: str):

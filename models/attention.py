@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from raylane.models.paged_kernel import PagedKernelArgs, build_paged_args, paged_varlen_attention
+from raylane.parallel import onednn
 from torch import nn
-
-from models.paged_kernel import PagedKernelArgs, build_paged_args, paged_varlen_attention
-from parallel import onednn
 
 
 @dataclass(slots=True)

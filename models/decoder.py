@@ -13,18 +13,17 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from transformers import PreTrainedConfig
-
-from models.attention import Attention, AttentionMetadata
-from models.layers import RMSNorm, RotaryEmbedding, apply_rotary
-from parallel.layers import (
+from raylane.models.attention import Attention, AttentionMetadata
+from raylane.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from raylane.parallel.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from torch import nn
+from transformers import PreTrainedConfig
 
 
 def head_dim_of(config: PreTrainedConfig) -> int:

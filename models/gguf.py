@@ -28,8 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from parallel.lazy_weight import LazyWeight
+from raylane.parallel.lazy_weight import LazyWeight
 
 GGUF_SUFFIX = ".gguf"
 INDEX_FILE = "gguf_index.json"

@@ -23,18 +23,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from raylane.models.decoder import DecoderForCausalLM
+from raylane.models.gguf import checkpoint_dir, iter_gguf, read_index
+from raylane.models.registry import get_model_class
+from raylane.parallel import onednn
+from raylane.parallel.layers import default_weight_loader
+from raylane.parallel.lazy_weight import LazyWeight
+from raylane.parallel.weight_processing import WeightProcessing
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 from transformers import AutoConfig, PreTrainedConfig
-
-from models.decoder import DecoderForCausalLM
-from models.gguf import checkpoint_dir, iter_gguf, read_index
-from models.registry import get_model_class
-from parallel import onednn
-from parallel.layers import default_weight_loader
-from parallel.lazy_weight import LazyWeight
-from parallel.weight_processing import WeightProcessing
 
 _EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
 _FUSED_EXPERTS = {".experts.gate_up_proj": ".experts.w13", ".experts.down_proj": ".experts.w2"}

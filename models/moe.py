@@ -1,18 +1,17 @@
 """Mixture-of-experts families: Mixtral and Qwen3-MoE.
 
 Both route each token to its top-k experts by a softmax over a replicated router
-gate, then run `parallel.moe.FusedMoE`, which holds this expert-parallel rank's
+gate, then run `raylane.parallel.moe.FusedMoE`, which holds this expert-parallel rank's
 experts. They differ in whether the top-k weights are renormalised and in which
 layers are sparse.
 """
 
 import torch
+from raylane.models.decoder import MLP, DecoderForCausalLM
+from raylane.parallel.layers import ReplicatedLinear
+from raylane.parallel.moe import FusedMoE, topk_softmax
 from torch import nn
 from transformers import PreTrainedConfig
-
-from models.decoder import MLP, DecoderForCausalLM
-from parallel.layers import ReplicatedLinear
-from parallel.moe import FusedMoE, topk_softmax
 
 
 class SparseMoeBlock(nn.Module):

@@ -1,15 +1,14 @@
 """Which model class serves which Hugging Face architecture."""
 
-from transformers import PreTrainedConfig
-
-from models.decoder import (
+from raylane.models.decoder import (
     DecoderForCausalLM,
     LlamaForCausalLM,
     MistralForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
-from models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from raylane.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from transformers import PreTrainedConfig
 
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -20,18 +20,17 @@ build every rank's shard in one process.
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from parallel import onednn
-from parallel.lazy_weight import LazyWeight, materialize
-from parallel.quantization import int4_fits, quantize_linear_, quantized_embedding, quantized_linear
-from parallel.state import (
+from raylane.parallel import onednn
+from raylane.parallel.lazy_weight import LazyWeight, materialize
+from raylane.parallel.quantization import int4_fits, quantize_linear_, quantized_embedding, quantized_linear
+from raylane.parallel.state import (
     get_tp_rank,
     get_tp_size,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from parallel.weight_processing import WeightProcessing
+from raylane.parallel.weight_processing import WeightProcessing
+from torch import nn
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -77,7 +76,8 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    # "int8" or "int4" once `parallel.quantization.quantize_linear_` swapped `weight` for its quantized form.
+    # "int8" or "int4" once `raylane.parallel.quantization.quantize_linear_` swapped `weight` for its
+    # quantized form.
     quantization: str | None = None
     # The weight in oneDNN's layout once `process_weights_after_loading` packed it (CPU).
     packed_weight: torch.Tensor | None = None

@@ -16,7 +16,7 @@ Plain Python (no Ray): the gateway owns one `Router` per replica and calls, per 
 The rate limit comes first, before any work whose cost the client controls (parsing, the
 classifier, grammars): a key over its limit costs a bucket look-up.
 
-Every error raised is a `router.errors.RouterError` with `.status`, `.to_openai()` and `.headers()`.
+Every error raised is a `raylane.router.errors.RouterError` with `.status`, `.to_openai()` and `.headers()`.
 """
 
 import asyncio
@@ -24,15 +24,15 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from cluster.config import AUTO_MODELS, ApiKeysConfig, RouterConfig, TierConfig
-from router.admission import AdmissionController, PoolLoad
-from router.classifier import RouteDecision, SemanticClassifier
-from router.dispatch import DispatchPlan, Slot
-from router.errors import RouterError
-from router.fallback import CircuitBreaker, CircuitState, FallbackChain, FallbackReason
-from router.rate_limit import RateCharge, RateLimiter
-from router.resolve import ModelResolver, PoolSpec, Resolution
-from router.tiers import ApiKeyAuthenticator, Principal
+from raylane.config import AUTO_MODELS, ApiKeysConfig, RouterConfig, TierConfig
+from raylane.router.admission import AdmissionController, PoolLoad
+from raylane.router.classifier import RouteDecision, SemanticClassifier
+from raylane.router.dispatch import DispatchPlan, Slot
+from raylane.router.errors import RouterError
+from raylane.router.fallback import CircuitBreaker, CircuitState, FallbackChain, FallbackReason
+from raylane.router.rate_limit import RateCharge, RateLimiter
+from raylane.router.resolve import ModelResolver, PoolSpec, Resolution
+from raylane.router.tiers import ApiKeyAuthenticator, Principal
 
 __all__ = [
     "FallbackReason",

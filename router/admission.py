@@ -47,8 +47,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cluster.config import TierConfig
-from router.errors import KeyConcurrencyError, OverloadedError
+from raylane.config import TierConfig
+from raylane.router.errors import KeyConcurrencyError, OverloadedError
 
 SERVICE_TIME_SMOOTHING = 0.2  # weight of the newest request in the pool's mean service time
 MAX_RETRY_AFTER_S = 60.0  # OpenAI's SDKs honour a retry hint up to a minute, then back off on their own

@@ -1,7 +1,7 @@
 """The semantic classifier: which route a conversation belongs to, and how sure it is.
 
-Method: a softmax regression on MiniLM embeddings (router.encoder) beside hashed character n-grams
-(router.ngrams: lexical cues that carry across languages, where English-trained MiniLM does not),
+Method: a softmax regression on MiniLM embeddings (raylane.router.encoder) beside hashed character n-grams
+(raylane.router.ngrams: lexical cues that carry across languages, where English-trained MiniLM does not),
 trained at start-up on the labelled prompts (router/dataset/train.tsv plus each route's `examples`)
 and on turns that only make sense in their conversation (router/dataset/followups.txt, an internal
 `followup` class).
@@ -9,7 +9,7 @@ The latest user turn's route scores count in proportion to how self-contained it
 comes from its context, the system prompt and earlier user turns, each weighted by the config and
 by how self-contained it is itself. How self-contained the latest turn is comes from two views that
 are averaged in log-odds: the head's `followup` probability (what the whole turn reads like) and a
-second small head on the turn's first words alone (router.ngrams.opening_features), which knows
+second small head on the turn's first words alone (raylane.router.ngrams.opening_features), which knows
 `¿y cómo evito...`, `et s'il...` as continuations and `Cambiando de tema:` as a new start even
 when the content words of a long turn outweigh them in the first view. Confidence is the winning
 route's probability; below `confidence_threshold` the default route is taken. Keyword and regex
@@ -23,13 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from cluster.config import BUILTIN_DATASET, FOLLOWUP_LABEL, RouterConfig
-from router.dataset import FOLLOWUPS_PATH, TRAIN_PATH, read_labelled, read_lines
-from router.encoder import SentenceEncoder
-from router.ngrams import ngram_features, opening_features
-from router.rules import RouteRules, rule_window
-from router.softmax import SoftmaxRegression
+from raylane.config import BUILTIN_DATASET, FOLLOWUP_LABEL, RouterConfig
+from raylane.router.dataset import FOLLOWUPS_PATH, TRAIN_PATH, read_labelled, read_lines
+from raylane.router.encoder import SentenceEncoder
+from raylane.router.ngrams import ngram_features, opening_features
+from raylane.router.rules import RouteRules, rule_window
+from raylane.router.softmax import SoftmaxRegression
 
 # Weaker than SoftmaxRegression's default: a sparse n-gram (`sql`, `fonction`) seen in a few prompts
 # keeps enough weight to count; cross-validation on train.tsv was no worse and less hedged.
@@ -185,7 +184,8 @@ class SemanticClassifier:
         empty = [route for route, n in counts.items() if n == 0]
         if empty:
             raise ValueError(
-                f"router.routes: {empty} have no examples; give them `examples` or rows in `router.dataset`"
+                f"router.routes: {empty} have no examples; give them `examples` or rows in "
+                "`raylane.router.dataset`"
             )
         index = {label: i for i, label in enumerate(labels)}
         return [text for _, text in rows], np.asarray([index[label] for label, _ in rows])

@@ -11,12 +11,12 @@ waits together stay within the tier's `max_queue_wait_s`.
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from router.admission import AdmissionController, Ticket
-from router.errors import ContextLengthError, NoPoolAvailableError, OverloadedError
-from router.fallback import CircuitBreaker, FallbackChain, FallbackReason
-from router.rate_limit import RateCharge
-from router.resolve import Resolution
-from router.tiers import Principal
+from raylane.router.admission import AdmissionController, Ticket
+from raylane.router.errors import ContextLengthError, NoPoolAvailableError, OverloadedError
+from raylane.router.fallback import CircuitBreaker, FallbackChain, FallbackReason
+from raylane.router.rate_limit import RateCharge
+from raylane.router.resolve import Resolution
+from raylane.router.tiers import Principal
 
 UNAVAILABLE_RETRY_AFTER_S = 5.0  # Retry-After of a 503 when no open circuit says better
 

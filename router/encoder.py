@@ -2,7 +2,7 @@
 
 The classifier needs the gist of a prompt within a few milliseconds on one core, not the
 exact vectors /v1/embeddings returns, so it keeps its own copy of the packaged MiniLM
-(`router.embeddings.model_path()`) and:
+(`raylane.router.embeddings.model_path()`) and:
 - reads at most `max_tokens` word pieces of each message: its head and its tail, because a
   request is usually stated at the start (then a paste) or at the end (after a paste);
 - quantizes the linear layers to int8 (faster on CPU, same routing accuracy; `raylane bench router`
@@ -26,10 +26,9 @@ PREPROCESSING = "head-tail/6-chars-per-token/mean-pool/v1"  # change when token_
 class SentenceEncoder:
     def __init__(self, max_tokens: int = 128, quantize: bool = True, cache_size: int = 4096):
         import torch
+        from raylane.router.embeddings import model_path
         from tokenizers import Tokenizer
         from transformers import AutoModel
-
-        from router.embeddings import model_path
 
         path = model_path()
         self.max_tokens = max_tokens
@@ -49,8 +48,7 @@ class SentenceEncoder:
     def fingerprint(self) -> str:
         """Everything that decides the vectors, for caches of them kept outside this process."""
         import torch
-
-        from router.embeddings import model_path
+        from raylane.router.embeddings import model_path
 
         return f"{model_path()}|{torch.__version__}|{self.max_tokens}|{self.quantized}|{PREPROCESSING}"
 

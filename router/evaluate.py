@@ -5,8 +5,8 @@ one user turn (`classify_text`), a conversation as its messages (`classify`)."""
 from collections import Counter
 from dataclasses import dataclass, field
 
-from router.classifier import SemanticClassifier, split_conversation
-from router.dataset import LabelledConversation
+from raylane.router.classifier import SemanticClassifier, split_conversation
+from raylane.router.dataset import LabelledConversation
 
 
 @dataclass(slots=True)

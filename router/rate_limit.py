@@ -16,8 +16,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cluster.config import TierConfig
-from router.errors import RateLimitError
+from raylane.config import TierConfig
+from raylane.router.errors import RateLimitError
 
 
 @dataclass(slots=True)

@@ -4,9 +4,9 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cluster.config import AUTO_MODELS, RouterConfig
-from router.classifier import RouteDecision
-from router.errors import UnknownModelError
+from raylane.config import AUTO_MODELS, RouterConfig
+from raylane.router.classifier import RouteDecision
+from raylane.router.errors import UnknownModelError
 
 logger = logging.getLogger(__name__)
 DIRECT_ROUTE = "direct"  # route reported for a named pool that no route starts from

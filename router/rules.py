@@ -6,7 +6,7 @@ Rules run before admission on text the client wrote, so their cost is bounded tw
   middle of a multi-megabyte paste; the classifier cuts every text it reads to this window first;
 - they run on RE2 (`google-re2`), whose matching is linear in the text whatever the pattern: a
   backtracking engine takes exponential time on `(a+)+$` against `aaaa…b`. RE2 refuses what it cannot
-  run in linear time (backreferences, lookarounds), which `cluster.config.RouteConfig` checks at load.
+  run in linear time (backreferences, lookarounds), which `raylane.config.RouteConfig` checks at load.
 Keywords match whole words, case-insensitively; a word character is a letter, digit or `_` in any
 script (Python's `\\w`), since RE2's `\\b` knows ASCII letters only.
 """
@@ -14,8 +14,7 @@ script (Python's `\\w`), since RE2's `\\b` knows ASCII letters only.
 from __future__ import annotations
 
 import re2
-
-from cluster.config import compile_route_regex
+from raylane.config import compile_route_regex
 
 RULE_WINDOW_CHARS = 4096  # characters read at each end of a text
 _NOT_WORD = r"[^\p{L}\p{N}_]"

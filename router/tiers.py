@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.config import ApiKeysConfig, TierConfig
-from router.errors import AuthenticationError
+from raylane.config import ApiKeysConfig, TierConfig
+from raylane.router.errors import AuthenticationError
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def demo_models(tmp_path_factory):
     """The project's demo checkpoints (with tokenizer and chat template), created once."""
-    from cluster.demo_models import create_demo_models
+    from raylane.models.demo import create_demo_models
 
     return create_demo_models(tmp_path_factory.mktemp("demo-models"))
 
@@ -51,8 +51,7 @@ def ray_cluster():
     Logical CPUs are oversubscribed on purpose: actors here are mostly idle between steps.
     """
     import ray
-
-    from cluster.serve_env import serve_env
+    from raylane.cluster.serve_env import serve_env
 
     with serve_env():  # the Serve settings `raylane serve` runs with
         ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False)

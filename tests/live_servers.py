@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from bench import apps
-from cluster.serve_env import free_port  # noqa: F401  (the tests' import of it)
+from raylane.bench import apps
+from raylane.cluster.serve_env import free_port  # noqa: F401  (the tests' import of it)
 
 
 @dataclass
@@ -30,15 +29,14 @@ class ApiServer:
     def pool_stats(self, pool: str) -> dict:
         """The pool replica's engine load (each test pool has one replica)."""
         from ray import serve
-
-        from deployments.app import APP_NAME, pool_deployment_name
+        from raylane.deployments.app import APP_NAME, pool_deployment_name
 
         handle = serve.get_deployment_handle(pool_deployment_name(pool), app_name=APP_NAME)
         return handle.stats.remote().result(timeout_s=30)
 
 
 def make_cluster_config(demo_models: dict, port: int):
-    from cluster.config import ClusterConfig
+    from raylane.config import ClusterConfig
 
     engine = {"max_num_seqs": 16, "num_kv_blocks": 256, "cpus_per_rank": 0.5, "seed": 0}
     return ClusterConfig.from_dict(
@@ -68,8 +66,7 @@ def make_cluster_config(demo_models: dict, port: int):
 @pytest.fixture(scope="session")
 def api_server(ray_cluster, demo_models):
     from ray import serve
-
-    from deployments.app import APP_NAME, build_app
+    from raylane.deployments.app import APP_NAME, build_app
 
     port = free_port()
     config = make_cluster_config(demo_models, port)
@@ -106,8 +103,7 @@ class RouterServer:
     def set_fault(self, pool: str, fault: str | None) -> None:
         """See tests/integration/faulty_pool.py."""
         from ray import serve
-
-        from deployments.app import pool_deployment_name
+        from raylane.deployments.app import pool_deployment_name
 
         handle = serve.get_deployment_handle(pool_deployment_name(pool), app_name=ROUTER_APP)
         handle.set_fault.remote(fault).result(timeout_s=30)
@@ -118,7 +114,7 @@ def make_router_config(demo_models: dict, port: int):
     context (falls back to chat) and `chat` (one request at a time, no fallback); four keyed tiers,
     `free` sheddable with no queue, `limited` one request a minute; a circuit breaker that opens
     after 2 failures for 2 s."""
-    from cluster.config import ClusterConfig, default_routes
+    from raylane.config import ClusterConfig, default_routes
 
     llama = str(demo_models["raylane-llama-tiny"])
     engine = {"max_num_seqs": 8, "num_kv_blocks": 64, "cpus_per_rank": 0.5, "seed": 0}
@@ -178,9 +174,8 @@ def app_with_pools(config, pool_class):
 
     import ray
     from ray import serve
-
-    from deployments.app import gateway_deployment_options, pool_deployment_options
-    from deployments.gateway import Gateway
+    from raylane.deployments.app import gateway_deployment_options, pool_deployment_options
+    from raylane.deployments.gateway.ingress import Gateway
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[pool_class.__module__])
     pools = {p.name: serve.deployment(pool_class, **pool_deployment_options(p)).bind(p) for p in config.pools}

@@ -92,7 +92,7 @@ def serve_details(app: str) -> dict | None:
 
 def load_config(args, details: dict | None = None):
     """`--config`, else the config Serve deployed (the builder's `args`), else None."""
-    from cluster.config import ClusterConfig
+    from raylane.config import ClusterConfig
 
     if args.config:
         return ClusterConfig.from_yaml(args.config)

@@ -1,6 +1,6 @@
 """Routing accuracy of the deployed router on a labelled file, as a job.
 
-    ray job submit ... -- python -m cluster.jobs.route_eval [--labels FILE.tsv] --min-accuracy 0.85
+    ray job submit ... -- python -m raylane.cluster.jobs.route_eval [--labels FILE.tsv] --min-accuracy 0.85
 
 Builds the classifier from the `router` section the cluster runs with (or `--config`), classifies
 each `route<TAB>text` line of `--labels` (default: the project's held-out split) and prints accuracy
@@ -10,11 +10,13 @@ per route and the confusion matrix (router/evaluate.py). Exits 1 below `--min-ac
 import argparse
 import sys
 
-from cluster.jobs.common import load_config
+from raylane.cluster.jobs.common import load_config
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cluster.jobs.route_eval", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="raylane.cluster.jobs.route_eval", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--config", help="cluster config YAML (default: the one Serve deployed)")
     parser.add_argument("--app", default="raylane", help="Serve application name (default raylane)")
     parser.add_argument("--labels", help="TSV `route<TAB>text` (default: the project's evaluation split)")
@@ -23,11 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-
-    from cluster.config import RouterConfig
-    from router.classifier import SemanticClassifier
-    from router.dataset import EVAL_PATH, read_labelled
-    from router.evaluate import evaluate
+    from raylane.config import RouterConfig
+    from raylane.router.classifier import SemanticClassifier
+    from raylane.router.dataset import EVAL_PATH, read_labelled
+    from raylane.router.evaluate import evaluate
 
     torch.set_num_threads(1)
     config = load_config(args)

@@ -1,6 +1,6 @@
 """Smoke test of a running cluster: one request per pool and per route; exit 1 on any failure.
 
-    ray job submit --address http://HEAD:8265 --working-dir . -- python -m cluster.jobs.smoke
+    ray job submit --address http://HEAD:8265 --working-dir . -- python -m raylane.cluster.jobs.smoke
 
 Checks, each printed as `ok` or `FAIL`: Serve reports the application RUNNING and every deployment
 HEALTHY (when run on the cluster); `/health` answers 200; `/v1/models` lists every pool; a chat
@@ -13,7 +13,7 @@ for its request to time out.
 import argparse
 import sys
 
-from cluster.jobs.common import add_endpoint_arguments, call, chat, load_config, serve_details
+from raylane.cluster.jobs.common import add_endpoint_arguments, call, chat, load_config, serve_details
 
 # A prompt per default route; a configured route uses its first example instead.
 ROUTE_PROMPTS = {
@@ -42,7 +42,7 @@ class Report:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cluster.jobs.smoke", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="raylane.cluster.jobs.smoke", description=__doc__.split("\n")[0])
     add_endpoint_arguments(parser)
     parser.add_argument("--no-routes", action="store_true", help="skip the `model: auto` route requests")
     args = parser.parse_args(argv)

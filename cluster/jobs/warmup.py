@@ -1,6 +1,6 @@
 """Warm the cluster up so that the first user request sees no cold start.
 
-    ray job submit ... -- python -m cluster.jobs.warmup [--system-prompts prompts.yaml]
+    ray job submit ... -- python -m raylane.cluster.jobs.warmup [--system-prompts prompts.yaml]
 
 1. Waits until every pool has its minimum replicas running (at least one) and the application is
    RUNNING; exits 1 if that does not happen within `--wait`.
@@ -18,12 +18,11 @@ import time
 from pathlib import Path
 
 import yaml
-
-from cluster.jobs.common import add_endpoint_arguments, chat, load_config, serve_details
+from raylane.cluster.jobs.common import add_endpoint_arguments, chat, load_config, serve_details
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cluster.jobs.warmup", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="raylane.cluster.jobs.warmup", description=__doc__.split("\n")[0])
     add_endpoint_arguments(parser)
     parser.add_argument("--system-prompts", type=Path, help="YAML {pool: [prompt, ...]} ('*': all pools)")
     parser.add_argument("--wait", type=float, default=900.0, help="seconds to wait for replicas (900)")
@@ -62,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def wait_for_replicas(args, config) -> dict[str, int] | None:
     """Pool name -> running replicas once each pool has its minimum (None after --wait)."""
-    from deployments.app import pool_deployment_name
+    from raylane.deployments.app import pool_deployment_name
 
     deadline = time.monotonic() + args.wait
     while True:

@@ -1,7 +1,7 @@
 """The app's one `MetricsAggregator`: totals of every replica's increments, live replicas' gauges.
 
 What `/metrics` serves and `raylane status` reads (`get_aggregator`); replicas feed it through
-`deployments.metrics.reporter`.
+`raylane.deployments.metrics.reporter`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
-
-from deployments.metrics.metric_set import Key
+from raylane.deployments.metrics.metric_set import Key
 
 STALE_AFTER_S = 30.0  # a replica silent this long is gone: its gauges are dropped
 AGGREGATOR_NAMESPACE = "raylane"

@@ -6,10 +6,9 @@ import asyncio
 import logging
 
 from prometheus_client import Counter, Histogram
-
-from deployments.metrics.aggregator import get_aggregator
-from deployments.metrics.metric_set import MetricSet
-from deployments.metrics.reporter import MetricsReporter
+from raylane.deployments.metrics.aggregator import get_aggregator
+from raylane.deployments.metrics.metric_set import MetricSet
+from raylane.deployments.metrics.reporter import MetricsReporter
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ class GatewayMetrics(MetricSet):
         )  # fmt: skip
 
     def observe(self, record) -> None:
-        """Count one finished request (a `deployments.request_log.RequestRecord`)."""
+        """Count one finished request (a `raylane.deployments.gateway.request_log.RequestRecord`)."""
         self.requests.labels(endpoint=record.endpoint, status_code=str(record.status)).inc()
         if record.latency_s is not None:
             self.duration.labels(endpoint=record.endpoint).observe(record.latency_s)

@@ -15,10 +15,9 @@ from contextlib import aclosing
 from typing import Any
 
 from prometheus_client import Counter, Histogram
-
-from deployments.metrics.metric_set import Key, MetricSet, sample_key
-from deployments.wire import RequestSummary
-from engine import EngineDeadError, RequestOutput, RequestOutputKind
+from raylane.deployments.metrics.metric_set import Key, MetricSet, sample_key
+from raylane.deployments.protocol.wire import RequestSummary
+from raylane.engine import EngineDeadError, RequestOutput, RequestOutputKind
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = [

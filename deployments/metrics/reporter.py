@@ -7,8 +7,8 @@ import logging
 import os
 import uuid
 
-from deployments.metrics.aggregator import get_aggregator
-from deployments.metrics.metric_set import Key, MetricSet
+from raylane.deployments.metrics.aggregator import get_aggregator
+from raylane.deployments.metrics.metric_set import Key, MetricSet
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ rows' logits, `num_blocks` is the KV block count every rank holds, `check_health
   (`rank_worker.py`), rank i in bundle i of a placement group (`placement.py`).
 """
 
-from cluster.config import EngineConfig
-from engine.executor.abstract import Executor
-from engine.executor.uniproc import UniProcExecutor
+from raylane.config import EngineConfig
+from raylane.engine.executor.abstract import Executor
+from raylane.engine.executor.uniproc import UniProcExecutor
 
 __all__ = ["Executor", "UniProcExecutor", "make_executor"]
 
@@ -24,6 +24,6 @@ def make_executor(config: EngineConfig, placement_group=None) -> Executor:
         if placement_group is not None:
             raise ValueError("placement_group: the in-process executor ('uni') runs in no placement group")
         return UniProcExecutor(config)
-    from engine.executor.ray_distributed import RayDistributedExecutor  # imports Ray: only for actors
+    from raylane.engine.executor.ray_distributed import RayDistributedExecutor  # imports Ray: only for actors
 
     return RayDistributedExecutor(config, placement_group)

@@ -3,8 +3,7 @@
 from abc import ABC, abstractmethod
 
 import torch
-
-from engine.model_runner import ModelInput
+from raylane.engine.model_runner import ModelInput
 
 
 class Executor(ABC):

@@ -9,8 +9,7 @@ never be placed fails at once with a message naming the missing resource instead
 
 import ray
 from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group
-
-from engine.errors import InsufficientResourcesError
+from raylane.engine.errors import InsufficientResourcesError
 
 # A driver that runs a draft model (speculative decoding beside tensor-parallel ranks) takes this
 # share of rank 0's GPU in bundle 0, and rank 0 the rest: Ray then shows both the same GPU.

@@ -11,10 +11,9 @@ import time
 from datetime import timedelta
 
 import torch
-
-from cluster.config import EngineConfig
-from engine.model_runner import ModelInput, ModelRunner
-from engine.spec_decode.draft_model import draft_reservation_on
+from raylane.config import EngineConfig
+from raylane.engine.model_runner import ModelInput, ModelRunner
+from raylane.engine.spec_decode.draft_model import draft_reservation_on
 
 MAX_TIMED_STEPS = 100_000  # per-step timings kept for benchmarks until stats(reset=True)
 
@@ -41,8 +40,7 @@ class RankWorker:
     def start(self, init_method: str, backend: str) -> dict:
         """Join the process groups and load this rank's shard; returns what the driver agrees on."""
         import ray
-
-        from parallel import state
+        from raylane.parallel import state
 
         if backend == "nccl":
             torch.cuda.set_device(0)  # Ray's CUDA_VISIBLE_DEVICES leaves this actor its one GPU
@@ -77,7 +75,7 @@ class RankWorker:
         self.runner.allocate_kv_cache(num_blocks)
 
     def execute_model(self, batch: ModelInput) -> torch.Tensor | None:
-        from parallel.state import collective_stats
+        from raylane.parallel.state import collective_stats
 
         start, in_collectives = time.perf_counter(), collective_stats.seconds
         logits = self.runner.execute_model(batch, compute_logits=self.computes_logits)

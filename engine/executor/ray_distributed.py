@@ -20,15 +20,14 @@ import ray
 import torch
 from ray.dag import InputNode, MultiOutputNode
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from raylane.config import EngineConfig
+from raylane.engine.errors import EngineDeadError, InsufficientResourcesError
+from raylane.engine.executor.abstract import Executor
+from raylane.engine.executor.placement import acquire, rank_bundle, rank_gpus, use_gpus
+from raylane.engine.executor.rank_worker import RankWorker
+from raylane.engine.model_runner import ModelInput
+from raylane.models.gguf import checkpoint_dir
 from transformers import AutoConfig
-
-from cluster.config import EngineConfig
-from engine.errors import EngineDeadError, InsufficientResourcesError
-from engine.executor.abstract import Executor
-from engine.executor.placement import acquire, rank_bundle, rank_gpus, use_gpus
-from engine.executor.rank_worker import RankWorker
-from engine.model_runner import ModelInput
-from models.gguf import checkpoint_dir
 
 logger = logging.getLogger(__name__)
 

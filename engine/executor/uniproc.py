@@ -1,11 +1,10 @@
 """One rank in this process: the `ModelRunner` itself, no Ray."""
 
 import torch
-
-from cluster.config import EngineConfig
-from engine.executor.abstract import Executor
-from engine.model_runner import ModelInput, ModelRunner
-from engine.spec_decode.draft_model import draft_reservation_on
+from raylane.config import EngineConfig
+from raylane.engine.executor.abstract import Executor
+from raylane.engine.model_runner import ModelInput, ModelRunner
+from raylane.engine.spec_decode.draft_model import draft_reservation_on
 
 
 class UniProcExecutor(Executor):

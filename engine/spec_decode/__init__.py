@@ -14,9 +14,9 @@ for penalties or logprobs: each of those would need the per-position state (gram
 counts, logprob entries) advanced across draft positions, and the plain path is always correct.
 """
 
-from engine.spec_decode.metrics import SpecDecodeStats
-from engine.spec_decode.proposer import Proposer, can_speculate, max_drafts
-from engine.spec_decode.rejection_sampler import RejectionSampler
+from raylane.engine.spec_decode.metrics import SpecDecodeStats
+from raylane.engine.spec_decode.proposer import Proposer, can_speculate, max_drafts
+from raylane.engine.spec_decode.rejection_sampler import RejectionSampler
 
 __all__ = ["Proposer", "RejectionSampler", "SpecDecodeStats", "can_speculate", "make_proposer", "max_drafts"]
 
@@ -29,10 +29,10 @@ def make_proposer(config, target_blocks, vocab_size: int, draft_device=None) -> 
     if spec is None:
         return None
     if spec.method == "ngram":
-        from engine.spec_decode.ngram import NgramProposer
+        from raylane.engine.spec_decode.ngram import NgramProposer
 
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
-    from engine.spec_decode.draft_model import DraftModelProposer
+    from raylane.engine.spec_decode.draft_model import DraftModelProposer
 
     return DraftModelProposer(
         config, target_blocks.num_blocks, target_blocks.block_size, vocab_size, device=draft_device

@@ -12,15 +12,14 @@ filtered distribution (greedy: argmax), which is recorded as q for the rejection
 """
 
 import torch
-
-from cluster.config import EngineConfig
-from engine.block_manager import BlockManager
-from engine.memory_profile import DraftReservation
-from engine.model_runner import ModelInput, ModelRunner
-from engine.request import Request
-from engine.sampler import _draw, _filter
-from engine.spec_decode.proposer import Proposer, can_speculate, max_drafts
-from models.gguf import checkpoint_dir
+from raylane.config import EngineConfig
+from raylane.engine.block_manager import BlockManager
+from raylane.engine.memory_profile import DraftReservation
+from raylane.engine.model_runner import ModelInput, ModelRunner
+from raylane.engine.request import Request
+from raylane.engine.sampler import _draw, _filter
+from raylane.engine.spec_decode.proposer import Proposer, can_speculate, max_drafts
+from raylane.models.gguf import checkpoint_dir
 
 
 def draft_reservation(config: EngineConfig, dtype: torch.dtype, block_size: int) -> DraftReservation:

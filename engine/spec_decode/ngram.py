@@ -9,8 +9,8 @@ draft distribution it is deterministic (one-hot), which is how `RejectionSampler
 
 from array import array
 
-from engine.request import Request
-from engine.spec_decode.proposer import Proposer, can_speculate, max_drafts
+from raylane.engine.request import Request
+from raylane.engine.spec_decode.proposer import Proposer, can_speculate, max_drafts
 
 
 def ngram_lookup(tokens: list[int], n_max: int, n_min: int, k: int) -> list[int]:

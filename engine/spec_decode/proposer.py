@@ -2,7 +2,7 @@
 
 from abc import ABC, abstractmethod
 
-from engine.request import Request, RequestStatus
+from raylane.engine.request import Request, RequestStatus
 
 
 def can_speculate(request: Request) -> bool:

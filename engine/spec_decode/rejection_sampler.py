@@ -18,9 +18,8 @@ speculation stays exactly equivalent to decoding one token at a time.
 """
 
 import torch
-
-from engine.request import Request
-from engine.sampler import _draw, _filter, mask_min_tokens, min_tokens_blocked
+from raylane.engine.request import Request
+from raylane.engine.sampler import _draw, _filter, mask_min_tokens, min_tokens_blocked
 
 
 class RejectionSampler:

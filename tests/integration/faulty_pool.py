@@ -2,8 +2,8 @@
 
 import asyncio
 
-from deployments.errors import invalid
-from deployments.model_pool import ModelPool
+from raylane.deployments.pool.model_pool import ModelPool
+from raylane.deployments.protocol.errors import invalid
 
 
 class FaultyPool(ModelPool):

@@ -221,8 +221,8 @@ class _DyingEngine:
         self.tokens_before_death = tokens_before_death
 
     async def generate(self, prompt, params, request_id=None, priority=0, resume=None):
-        from engine import EngineDeadError, RequestOutput
-        from engine.outputs import CompletionOutput
+        from raylane.engine import EngineDeadError, RequestOutput
+        from raylane.engine.outputs import CompletionOutput
 
         for i in range(self.tokens_before_death):
             yield RequestOutput(request_id, None, prompt, [CompletionOutput(0, f"t{i}", [5])], finished=False)
@@ -230,12 +230,12 @@ class _DyingEngine:
 
 
 def test_engine_failure_is_a_5xx_in_openai_shape():
-    from deployments.errors import OpenAIError
-    from deployments.openai_schemas import CompletionRequest
-    from deployments.pool_failures import pool_failure
-    from deployments.sampling import completion_params
-    from deployments.serving_completion import OpenAIServingCompletion
-    from deployments.wire import FinalItem
+    from raylane.deployments.gateway.pool_failures import pool_failure
+    from raylane.deployments.pool.serving_completion import OpenAIServingCompletion
+    from raylane.deployments.protocol.errors import OpenAIError
+    from raylane.deployments.protocol.openai_schemas import CompletionRequest
+    from raylane.deployments.protocol.sampling import completion_params
+    from raylane.deployments.protocol.wire import FinalItem
 
     async def items(tokens_before_death: int, stream: bool) -> list:
         serving = OpenAIServingCompletion(_DyingEngine(tokens_before_death), "m", max_model_len=100)

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
-
-from bench.datasets import TokenCounter, random_requests
-from cluster.cli import main
-from cluster.model_sources import model_path
+from raylane.bench.datasets import TokenCounter, random_requests
+from raylane.cluster.cli import main
+from raylane.models.sources import model_path
 
 MODEL = "raylane-llama-tiny"
 SMALL = ["--random-input-len", "24", "--random-output-len", "6", "--no-progress"]
@@ -110,7 +109,7 @@ def test_bench_compare_two_urls_prints_ratios(api_server, capsys, tmp_path):
 
 
 def test_bench_compare_starts_two_configs_and_deletes_them(api_server, client, demo_models, capsys, tmp_path):
-    from bench.serving import serving_config
+    from raylane.bench.serving import serving_config
 
     llama = str(demo_models[MODEL])
     for name, caching in (("off", False), ("on", True)):
@@ -170,9 +169,9 @@ def test_bench_router_compares_auto_with_a_named_model(api_server, capsys, tmp_p
 
 def test_bench_overhead_runs_the_same_work_on_both_sides(api_server):
     from ray import serve
+    from raylane.bench.overhead import run_overhead
+    from raylane.bench.serve_floor import floor_app
 
-    from bench.overhead import run_overhead
-    from bench.serve_floor import floor_app
     from tests.live_servers import wait_healthy
 
     pool = next(p for p in api_server.config.pools if p.name == "chat")

@@ -10,8 +10,7 @@ import gc
 import weakref
 
 import pytest
-
-from engine import LLM, AsyncLLM, EngineDeadError, SamplingParams
+from raylane.engine import LLM, AsyncLLM, EngineDeadError, SamplingParams
 
 CPUS_PER_RANK = 0.25  # the session cluster is shared with Serve tests: keep every actor fractional
 PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

@@ -151,7 +151,7 @@ def chat_request(url: str, model: str, stream: bool = False, max_tokens: int = 8
 def test_the_manifests_serve_config_serves_chat(deployed):
     """serveConfigV2 of the rendered cpu-demo RayService, deployed as KubeRay deploys it."""
     app = deployed.app()
-    assert app["deployed_app_config"]["import_path"] == "deployments.app:build_app"
+    assert app["deployed_app_config"]["import_path"] == "raylane.deployments.app:build_app"
     assert set(app["deployments"]) == {"Gateway", "ModelPool:coding", "ModelPool:reasoning", "ModelPool:chat"}
     reply = chat_request(deployed.url, "chat")
     assert reply.usage.completion_tokens > 0 and reply.choices[0].message.content
@@ -170,7 +170,7 @@ def routes_supported(url: str) -> bool:
 
 def smoke(cluster: LocalCluster, *extra: str) -> tuple[str, str]:
     args = ["--url", cluster.url, "--api-key", API_KEY, *extra]
-    return cluster.submit("python -m cluster.jobs.smoke " + " ".join(args))
+    return cluster.submit("python -m raylane.cluster.jobs.smoke " + " ".join(args))
 
 
 def pool_status(url: str, pool: str) -> str | None:
@@ -213,7 +213,8 @@ def test_warmup_job_waits_for_replicas_and_prefills_system_prompts(deployed, tmp
     system = "You are raylane's support assistant. Answer briefly and cite the runbook. " * 8
     prompts.write_text(yaml.safe_dump({"*": [system], "coding": ["You write Python."]}))
     entrypoint = (
-        f"python -m cluster.jobs.warmup --url {deployed.url} --api-key {API_KEY} --system-prompts {prompts}"
+        f"python -m raylane.cluster.jobs.warmup --url {deployed.url} --api-key {API_KEY} "
+        f"--system-prompts {prompts}"
     )
     status, logs = deployed.submit(entrypoint)
     assert status == "SUCCEEDED", logs

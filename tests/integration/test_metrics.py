@@ -300,8 +300,8 @@ def test_a_fallback_and_a_shed_are_counted_with_their_labels(router_server):
 
 
 def test_raylane_status_shows_every_pool_with_its_replicas(api_server, workload, capsys):
-    from cluster.cli import main
-    from cluster.status import collect
+    from raylane.cluster.cli import main
+    from raylane.cluster.status import collect
 
     def reported():
         rows, _ = collect("raylane")
@@ -330,8 +330,8 @@ def test_the_aggregator_outlives_the_placement_group_of_the_replica_that_made_it
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from raylane.deployments.metrics.aggregator import get_aggregator
 
-    from deployments.metrics.aggregator import get_aggregator
     from tests.live_servers import wait_until
 
     app = "aggregator-placement"

@@ -18,8 +18,7 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
-
-from deployments.tool_calls import ToolCallStreamParser, parse_tool_calls
+from raylane.deployments.protocol.tool_calls import ToolCallStreamParser, parse_tool_calls
 
 HELLO = [{"role": "user", "content": "Write one sentence about the sea."}]
 WEATHER_PARAMS = {
@@ -64,7 +63,7 @@ TOOL_MARKUP_REGEX = (
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from cluster.demo_models import load_tokenizer
+    from raylane.models.demo import load_tokenizer
 
     return load_tokenizer()
 

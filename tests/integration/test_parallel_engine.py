@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from raylane.engine import LLM, AsyncLLM, EngineConfig, EngineDeadError, SamplingParams
+from raylane.engine.errors import InsufficientResourcesError
+from raylane.engine.executor import UniProcExecutor
+from raylane.engine.executor.placement import check_cluster_fits
+from raylane.engine.executor.ray_distributed import RayDistributedExecutor
+from raylane.engine.llm_engine import LLMEngine
+from raylane.engine.model_runner import ModelInput
 
-from engine import LLM, AsyncLLM, EngineConfig, EngineDeadError, SamplingParams
-from engine.errors import InsufficientResourcesError
-from engine.executor import UniProcExecutor
-from engine.executor.placement import check_cluster_fits
-from engine.executor.ray_distributed import RayDistributedExecutor
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelInput
 from tests.hf_models import make_checkpoint
 from tests.unit.test_engine_vs_hf import NEW_TOKENS, hf_greedy, prompts
 
@@ -331,8 +331,8 @@ TWO_NODES = """
 import json, sys
 import ray
 from ray.cluster_utils import Cluster
-from engine import LLM, SamplingParams
-from engine.errors import InsufficientResourcesError
+from raylane.engine import LLM, SamplingParams
+from raylane.engine.errors import InsufficientResourcesError
 
 path = sys.argv[1]
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
@@ -371,8 +371,8 @@ FAKE_GPUS = """
 import json, sys
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-from cluster.config import PoolConfig
-from deployments.app import pool_deployment_options
+from raylane.config import PoolConfig
+from raylane.deployments.app import pool_deployment_options
 
 path = sys.argv[1]
 # Ray is told of two GPUs this machine does not have: it schedules and sets CUDA_VISIBLE_DEVICES as on a
@@ -388,7 +388,7 @@ ray.get(pg.ready(), timeout=60)
 
 
 def refusal(rank0):
-    from engine.executor.ray_distributed import draft_device
+    from raylane.engine.executor.ray_distributed import draft_device
 
     try:
         return str(draft_device(rank0))
@@ -399,8 +399,8 @@ def refusal(rank0):
 @ray.remote
 class Replica:
     def run(self):
-        from engine import LLM, SamplingParams
-        from engine.executor.ray_distributed import draft_device
+        from raylane.engine import LLM, SamplingParams
+        from raylane.engine.executor.ray_distributed import draft_device
 
         llm = LLM(path, **engine)
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -1,7 +1,8 @@
-"""One pool, two replicas, in real Serve: the prefix-aware replica router (deployments/request_router.py)
-and conversation affinity for `auto` (deployments/affinity.py), seen as a client sees them through the
-`openai` SDK: the pool in `x-raylane-pool`, `x-raylane-decision`, `usage.prompt_tokens_details.
-cached_tokens` (prompt tokens the replica found in its prefix cache) and `/metrics`.
+"""One pool, two replicas, in real Serve: the prefix-aware replica router
+(deployments/gateway/request_router.py) and conversation affinity for `auto`
+(deployments/gateway/affinity.py), seen as a client sees them through the `openai` SDK: the pool in
+`x-raylane-pool`, `x-raylane-decision`, `usage.prompt_tokens_details.cached_tokens` (prompt tokens the
+replica found in its prefix cache) and `/metrics`.
 
 The app (under /affinity on the session's Serve): `coding` with two replicas of the demo Llama, `chat`
 with one; the default routes, trimmed to these pools. No test asserts a duration.
@@ -70,9 +71,8 @@ def conversations() -> list[list[dict]]:
 @pytest.fixture(scope="module")
 def server(api_server, demo_models):
     from ray import serve
-
-    from cluster.config import ClusterConfig
-    from deployments.app import build_app
+    from raylane.config import ClusterConfig
+    from raylane.deployments.app import build_app
 
     llama = str(demo_models["raylane-llama-tiny"])
     engine = {"max_num_seqs": 8, "num_kv_blocks": 512, "cpus_per_rank": 0.25, "seed": 0}

@@ -35,7 +35,7 @@ CITY_SCHEMA = {
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from cluster.demo_models import load_tokenizer
+    from raylane.models.demo import load_tokenizer
 
     return load_tokenizer()
 

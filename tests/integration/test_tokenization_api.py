@@ -3,8 +3,7 @@ pool's chat endpoint charges, and text survives the round trip."""
 
 import httpx2
 import pytest
-
-from cluster.demo_models import MAX_POSITIONS
+from raylane.models.demo import MAX_POSITIONS
 
 MESSAGES = [
     {"role": "system", "content": "You answer briefly."},
@@ -20,7 +19,7 @@ def http(api_server):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from cluster.demo_models import load_tokenizer
+    from raylane.models.demo import load_tokenizer
 
     return load_tokenizer()
 

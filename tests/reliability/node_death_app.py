@@ -9,12 +9,11 @@ import json
 import sys
 
 from ray import serve
-
-from cluster.config import ClusterConfig
-from cluster.k8s import GATEWAY_RESOURCE, pool_resource
-from deployments.app import APP_NAME, gateway_deployment_options, pool_deployment_options
-from deployments.gateway import Gateway
-from deployments.model_pool import ModelPool
+from raylane.cluster.k8s import GATEWAY_RESOURCE, pool_resource
+from raylane.config import ClusterConfig
+from raylane.deployments.app import APP_NAME, gateway_deployment_options, pool_deployment_options
+from raylane.deployments.gateway.ingress import Gateway
+from raylane.deployments.pool.model_pool import ModelPool
 
 
 def main() -> None:

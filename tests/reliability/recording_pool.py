@@ -3,7 +3,7 @@
 The gateway passes the tier's priority with every pool call; the engine schedules by it. Recording it
 here, in front of the real pool, lets a test see what priority a request was actually served with."""
 
-from deployments.model_pool import ModelPool
+from raylane.deployments.pool.model_pool import ModelPool
 
 
 class RecordingPool(ModelPool):

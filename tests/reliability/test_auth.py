@@ -33,7 +33,8 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 def app_config(demo_models, port: int):
-    from cluster.config import ClusterConfig
+    from raylane.config import ClusterConfig
+
     from tests.reliability.conftest import llama_pool
 
     tier = {"max_queue_depth": 16, "max_queue_wait_s": 60}
@@ -80,8 +81,7 @@ def bearer(key: str) -> dict[str, str]:
 
 def priorities_seen(user: str) -> list[int]:
     from ray import serve
-
-    from deployments.app import pool_deployment_name
+    from raylane.deployments.app import pool_deployment_name
 
     handle = serve.get_deployment_handle(pool_deployment_name("chat"), app_name=APP)
     return handle.priorities.remote(user).result(timeout_s=30)
@@ -121,8 +121,8 @@ def test_keys_are_compared_in_constant_time(monkeypatch):
     but its last character with a real key, so the time taken says nothing about how close it was."""
     import hmac
 
-    import router.tiers as tiers
-    from cluster.config import ApiKeysConfig, default_tiers
+    import raylane.router.tiers as tiers
+    from raylane.config import ApiKeysConfig, default_tiers
 
     known = {f"sk-{i}-{uuid.uuid4().hex}": "premium" for i in range(5)}
     auth = tiers.ApiKeyAuthenticator(ApiKeysConfig(keys=known), default_tiers())

@@ -1,4 +1,4 @@
-"""A load step scales a pool from one replica to two and back (deployments/autoscaling.py).
+"""A load step scales a pool from one replica to two and back (deployments/pool/autoscaling.py).
 
 App: pool `elastic`, 1 to 2 replicas, scaling on requests waiting in the engines (one per replica),
 its engine admitting two sequences at a time. Eight clients streaming back to back keep six requests

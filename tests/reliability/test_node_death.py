@@ -5,7 +5,7 @@ gateway and pool `backup`, the worker pool `primary`, each pinned by a resource 
 advertises (as on KubeRay). Killing the worker's process group (raylet, workers, agents: the node
 is gone at once) must move `primary`'s traffic to `backup`, with the fallback header; every request
 is answered, and the streams running on `primary` at the kill are not cut: they resume on `backup`,
-which serves the same checkpoint (deployments/resumption.py), each token-identical to its undisturbed
+which serves the same checkpoint (deployments/gateway/resumption.py), each token-identical to its undisturbed
 run. A new worker node joins; Serve places `primary` on it and traffic returns.
 """
 
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import httpx2
 import pytest
+from raylane.cluster.k8s import GATEWAY_RESOURCE, pool_resource
+from raylane.cluster.serve_env import SERVE_ENV
 
-from cluster.k8s import GATEWAY_RESOURCE, pool_resource
-from cluster.serve_env import SERVE_ENV
 from tests.live_servers import free_port, stop_processes_mentioning, wait_healthy, wait_until
 from tests.reliability.conftest import llama_pool
 

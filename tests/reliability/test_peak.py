@@ -5,14 +5,14 @@ sequences, 64 requests in flight a replica), behind a gateway with two keys. 300
 once with the `standard` key; every other one hangs up after its first chunk. A second key
 (`premium`) sends one short request after another throughout. The standard tier may queue every
 stream, so the pool's slots stay taken by streams for the whole peak, and the pool cannot answer the
-gateway's health probe in time: it must still count as up (deployments/pool_health.py), so nobody
+gateway's health probe in time: it must still count as up (deployments/gateway/pool_health.py), so nobody
 gets a 5xx. A stream either completes, with every token it asked for, or is turned away with a 429
 before its first byte; the premium trickle is served; and two seconds after the last client is done
 nothing runs or waits in the engine or the gateway and the KV cache is free: what the clients who
 left had asked for was aborted, not finished for nobody.
 
 The same peak on a pool of two replicas, one of them killed halfway: its streams resume on the
-other (deployments/resumption.py), and still nobody gets a 5xx or a cut stream.
+other (deployments/gateway/resumption.py), and still nobody gets a 5xx or a cut stream.
 """
 
 import asyncio
@@ -36,7 +36,7 @@ def bearer(tier: str) -> dict[str, str]:
 
 
 def peak_app(api_server, name: str, replicas: int):
-    from cluster.config import default_config
+    from raylane.config import default_config
 
     coding = default_config().pool("coding").model_dump(mode="json", exclude_defaults=True)
     coding["replicas"] = coding.get("replicas", {}) | {"min_replicas": replicas, "max_replicas": replicas}

@@ -5,7 +5,7 @@ once undisturbed, then again; in the second run one primary replica's actor is k
 stream has sent some text. Beside them run a `json_schema` stream, a `tool_choice: "required"`
 stream and a `/v1/responses` stream with a JSON schema, all three on the replica that is killed. No
 stream may be cut: the streams on the dead replica are resumed on the live one
-(deployments/resumption.py) and each text must be token-identical to its undisturbed run, with the
+(deployments/gateway/resumption.py) and each text must be token-identical to its undisturbed run, with the
 same usage; the constrained outputs must still validate. Sixteen more requests start right after the
 kill and must all be served; Serve must bring the replica back.
 """
@@ -112,7 +112,7 @@ FORECAST = {
     "additionalProperties": False,
 }
 # One long system prompt shared by all three: the pool's prefix-aware router
-# (deployments/request_router.py) sends the later ones to the replica that holds the first's prefix.
+# (deployments/gateway/request_router.py) sends the later ones to the replica that holds the first's prefix.
 WEATHER_DESK = [{"role": "system", "content": "You are the weather desk of a coastal radio station. " * 10}]
 FINISH = {"json_schema": "stop", "tool_required": "tool_calls", "responses_schema": "completed"}
 STRUCTURED = {

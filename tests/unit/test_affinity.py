@@ -1,13 +1,12 @@
-"""Conversation affinity (deployments/affinity.py) over the real `router.Router`, with a classifier
+"""Conversation affinity (deployments/gateway/affinity.py) over the real `router.Router`, with a classifier
 stand-in that sends each turn where its words point (the real classifier has its own tests):
 a conversation's later turns keep the pool its first turn was served by."""
 
 from fastapi.responses import Response
-
-from cluster.config import AffinityConfig, RouteConfig, RouterConfig, default_tiers
-from cluster.config.router import ApiKeysConfig
-from deployments.affinity import ConversationAffinity, conversation_key
-from router import PoolSpec, Principal, RouteDecision, Router
+from raylane.config import AffinityConfig, RouteConfig, RouterConfig, default_tiers
+from raylane.config.router import ApiKeysConfig
+from raylane.deployments.gateway.affinity import ConversationAffinity, conversation_key
+from raylane.router import PoolSpec, Principal, RouteDecision, Router
 
 STANDARD = default_tiers()[1]
 ALICE, BOB = Principal("key-alice", STANDARD), Principal("key-bob", STANDARD)

@@ -1,4 +1,4 @@
-"""The pool's autoscaling policy (deployments/autoscaling.py) as Serve's controller runs it: the
+"""The pool's autoscaling policy (deployments/pool/autoscaling.py) as Serve's controller runs it: the
 `AutoscalingConfig` a pool's options make, its policy resolved and wrapped by Serve
 (`_apply_autoscaling_config`: scaling factors and delays), called with Serve's `AutoscalingContext`
 carrying the engines' reported stats, the decision bounded as Serve bounds it."""
@@ -7,9 +7,8 @@ from ray.serve._private.autoscaling_state import _resolve_policy_callable
 from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
-
-from cluster.config import PoolConfig
-from deployments.app import pool_deployment_options
+from raylane.config import PoolConfig
+from raylane.deployments.app import pool_deployment_options
 
 DEPLOYMENT = DeploymentID(name="ModelPool:chat", app_name="raylane")
 

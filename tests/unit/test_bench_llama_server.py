@@ -11,11 +11,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from bench import compare, llama_server
-from bench.client import RequestOptions, chat_stream_args
-from bench.datasets import BenchRequest
-from bench.llama_server import LlamaServer, LlamaServerError
+from raylane.bench import compare, llama_server
+from raylane.bench.client import RequestOptions, chat_stream_args
+from raylane.bench.datasets import BenchRequest
+from raylane.bench.llama_server import LlamaServer, LlamaServerError
 
 # Answers /health with 503 twice (a model loading), then 200; streams `max_tokens` tokens with a final
 # usage chunk, or stops after 2 (an EOS) unless the body asks for `ignore_eos`. Writes its argv and
@@ -185,7 +184,7 @@ def test_missing_gguf_is_named_before_anything_starts(tmp_path, fake_binary):
 
 
 def run_compare(argv: list[str]) -> int:
-    from cluster.cli import main
+    from raylane.cluster.cli import main
 
     return main(["bench", "compare", *argv])
 

@@ -3,9 +3,8 @@ number, and rewriting the docs touches only the marked section (the live run is 
 tests/integration/test_bench_live.py)."""
 
 import pytest
-
-from bench.report import ReportError, replace_marked
-from bench.report_markdown import full_markdown, summary_markdown
+from raylane.bench.report import ReportError, replace_marked
+from raylane.bench.report_markdown import full_markdown, summary_markdown
 
 
 def stats(p50: float, p99: float | None = None) -> dict[str, float]:
@@ -178,7 +177,7 @@ def test_a_report_that_updates_the_docs_names_its_checked_in_json():
 
 def test_the_replica_affinity_part_reports_its_three_goals():
     """The part as `raylane bench affinity` writes it (a made-up run: one goal missed)."""
-    from bench.affinity import goals
+    from raylane.bench.affinity import goals
 
     def side(hit_rate: float, computed: int, ttft_s: float) -> dict:
         return {"hit_rate": hit_rate, "computed_tokens": computed, "mean_ttft_s": ttft_s, "requests": 96}

@@ -14,11 +14,17 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
-from bench import datasets
-from bench.client import Endpoint, RequestOptions, make_client, measure_stream, poisson_arrivals, run_requests
-from bench.datasets import BenchRequest, TokenCounter
-from bench.metrics import RequestRecord, Slo, parse_slo, percentile, summarize
+from raylane.bench import datasets
+from raylane.bench.client import (
+    Endpoint,
+    RequestOptions,
+    make_client,
+    measure_stream,
+    poisson_arrivals,
+    run_requests,
+)
+from raylane.bench.datasets import BenchRequest, TokenCounter
+from raylane.bench.metrics import RequestRecord, Slo, parse_slo, percentile, summarize
 
 # ---------------------------------------------------------------- metric definitions on known numbers
 
@@ -267,7 +273,7 @@ def test_server_without_usage_gets_its_chunks_counted():
 
 
 def run_cli(argv: list[str]) -> int:
-    from cluster.cli import main
+    from raylane.cluster.cli import main
 
     return main(argv)
 
@@ -390,7 +396,7 @@ def test_sharegpt_dataset_gives_first_human_turns():
 
 
 def test_overhead_tail_is_the_last_text_to_the_end_of_the_response():
-    from bench.overhead import Pair, Sample, summarize
+    from raylane.bench.overhead import Pair, Sample, summarize
 
     def pair(http_last: float, engine_last: float) -> Pair:
         http = Sample(ttft=0.010, e2e=0.100, last_text=http_last, text="ab")
@@ -402,7 +408,7 @@ def test_overhead_tail_is_the_last_text_to_the_end_of_the_response():
 
 
 def test_overhead_splits_into_serves_floor_and_raylanes_share():
-    from bench.overhead import Pair, Sample, summarize, table_rows
+    from raylane.bench.overhead import Pair, Sample, summarize, table_rows
 
     def pair(engine_ttft: float, floor_ttft: float, http_ttft: float) -> Pair:
         engine = Sample(ttft=engine_ttft, e2e=engine_ttft + 0.1, last_text=engine_ttft + 0.1, text="ab")
@@ -432,7 +438,7 @@ def test_serve_floor_replays_the_engine_outputs_at_their_times():
     import asyncio
     import json
 
-    from bench import serve_floor
+    from raylane.bench import serve_floor
 
     clock = {"now": 100.0}
 

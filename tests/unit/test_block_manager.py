@@ -1,8 +1,8 @@
 """KV block bookkeeping: what a user notices is memory reuse and prefix hits, counted in blocks."""
 
-from engine.block_manager import BlockManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from raylane.engine.block_manager import BlockManager
+from raylane.engine.request import Request
+from raylane.engine.sampling_params import SamplingParams
 
 
 def make_request(tokens: list[int], rid: str = "r") -> Request:

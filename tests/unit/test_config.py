@@ -5,8 +5,7 @@ import argparse
 import textwrap
 
 import pytest
-
-from cluster.config import (
+from raylane.config import (
     DEFAULT_CONFIG_PATH,
     ClusterConfig,
     ConfigError,
@@ -14,8 +13,8 @@ from cluster.config import (
     PoolConfig,
     default_config,
 )
-from cluster.model_sources import engine_config, model_path
-from cluster.packaged_models import packaged_model_path
+from raylane.models.packaged import packaged_model_path
+from raylane.models.sources import engine_config, model_path
 
 
 def write(tmp_path, text: str):
@@ -47,7 +46,7 @@ def test_default_config_serves_the_packaged_real_model_as_three_pools():
 
 
 def test_a_packaged_model_missing_here_says_how_to_install_it(monkeypatch):
-    import cluster.packaged_models as packaged
+    import raylane.models.packaged as packaged
 
     monkeypatch.setitem(
         packaged.PACKAGED_MODELS,
@@ -70,7 +69,7 @@ def test_a_named_model_is_found_by_the_model_sources_not_the_config():
     """The config only names demo and packaged models (it imports nothing that finds them); asking it
     for their engine config without a path says where the checkpoint is found."""
     demo = PoolConfig.model_validate(pool())
-    with pytest.raises(ValueError, match="cluster.model_sources"):
+    with pytest.raises(ValueError, match="raylane.models.sources"):
         demo.engine_config()
     assert engine_config(demo).model.endswith("raylane-llama-tiny")
 
@@ -158,7 +157,7 @@ def test_api_keys_survive_the_trip_to_the_gateway():
 
 
 def options(**fields) -> dict:
-    from deployments.app import pool_deployment_options
+    from raylane.deployments.app import pool_deployment_options
 
     return pool_deployment_options(PoolConfig.model_validate(pool(**fields)))
 
@@ -205,8 +204,7 @@ def test_autoscaling_between_min_and_max():
 
 def test_build_app_binds_a_gateway_over_every_pool():
     from ray.serve import Application
-
-    from deployments.app import build_app
+    from raylane.deployments.app import build_app
 
     assert isinstance(build_app(default_config()), Application)
     assert isinstance(build_app({"pools": [pool()]}), Application)
@@ -218,7 +216,8 @@ def test_serve_refuses_haproxy_ingress_when_a_port_set_for_it_is_taken(tmp_path,
     ports raylane picks itself are free; one set by hand in Serve's variable may not be.)"""
     import socket
 
-    from cluster.cli import main
+    from raylane.cluster.cli import main
+
     from tests.live_servers import free_port
 
     pools = "pools: [{name: chat, model: demo:raylane-llama-tiny}]\n"
@@ -234,8 +233,8 @@ def test_serve_refuses_haproxy_ingress_when_a_port_set_for_it_is_taken(tmp_path,
 
 
 def test_serve_command_overrides_host_and_port(tmp_path):
-    from cluster.cli import build_parser
-    from cluster.serve import load_config
+    from raylane.cluster.cli import build_parser
+    from raylane.cluster.serve import load_config
 
     args = build_parser().parse_args(["serve", "--port", "8123"])
     assert load_config(args).http.port == 8123
@@ -249,9 +248,9 @@ def test_serve_access_lines_are_off_unless_asked_for():
     """`raylane serve` shows no Serve access line per call (health polls and stats every few seconds
     per pool would bury the ready line and errors) and only warnings of Serve's controller and proxies;
     `--access-log` (or `logs.serve_access_log`) turns the lines on for the proxies, gateway and pools."""
-    from cluster.cli import build_parser
-    from cluster.serve import load_config, serve_logging_config
-    from deployments.app import gateway_deployment_options, pool_deployment_options
+    from raylane.cluster.cli import build_parser
+    from raylane.cluster.serve import load_config, serve_logging_config
+    from raylane.deployments.app import gateway_deployment_options, pool_deployment_options
 
     for flags, access_log in (([], False), (["--access-log"], True)):
         config = load_config(build_parser().parse_args(["serve", *flags]))
@@ -267,7 +266,7 @@ def test_haproxy_folders_of_stopped_clusters_are_removed_and_running_ones_kept(t
     import os
     import socket
 
-    from cluster import serve_env
+    from raylane.cluster import serve_env
 
     monkeypatch.setattr(serve_env, "STATE_ROOT", str(tmp_path))
     live, dead = tmp_path / "rlha-live" / "node", tmp_path / "rlha-dead" / "node"

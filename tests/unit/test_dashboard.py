@@ -12,11 +12,11 @@ DASHBOARDS = Path(__file__).parents[2] / "k8s" / "dashboards"
 
 def exported_sample_names() -> set[str]:
     """Sample names in the aggregate `/metrics` renders after one request of every kind."""
-    from deployments.metrics.aggregator import MetricsAggregator
-    from deployments.metrics.gateway import GatewayMetrics
-    from deployments.metrics.pool import PoolMetrics, RequestTracker
-    from deployments.request_log import RequestRecord
-    from engine.outputs import CompletionOutput, RequestOutput
+    from raylane.deployments.gateway.request_log import RequestRecord
+    from raylane.deployments.metrics.aggregator import MetricsAggregator
+    from raylane.deployments.metrics.gateway import GatewayMetrics
+    from raylane.deployments.metrics.pool import PoolMetrics, RequestTracker
+    from raylane.engine.outputs import CompletionOutput, RequestOutput
 
     pool = PoolMetrics("chat", "m")
     tracker = RequestTracker(pool, delta=True)

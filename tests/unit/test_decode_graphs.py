@@ -9,13 +9,13 @@ the graph pool's memory, speed) is left to `bench/gpu_check.sh`.
 """
 
 import pytest
+import raylane.models.paged_kernel as paged_kernel
 import torch
+from raylane.config import EngineConfig
+from raylane.engine import LLM, SamplingParams
+from raylane.engine.cuda_graph import capture_sizes, graph_size, pad_decode_batch
+from raylane.engine.model_runner import ModelInput, ModelRunner
 
-import models.paged_kernel as paged_kernel
-from cluster.config import EngineConfig
-from engine import LLM, SamplingParams
-from engine.cuda_graph import capture_sizes, graph_size, pad_decode_batch
-from engine.model_runner import ModelInput, ModelRunner
 from tests.hf_models import load_hf_model, make_checkpoint
 from tests.unit.test_paged_attention import varlen_attn_reference
 
@@ -165,7 +165,9 @@ def test_the_engine_decoding_through_graph_buffers_generates_hugging_faces_token
     graphs' static buffers (the eager stand-in for a replay): prompts of different lengths finish at
     different steps, so the batch shrinks through the captured sizes."""
     monkeypatch.setattr(paged_kernel, "_KERNEL", varlen_attn_reference)
-    monkeypatch.setattr("engine.model_runner.resolve_attention", lambda *args: ("flash_varlen", args[-1]))
+    monkeypatch.setattr(
+        "raylane.engine.model_runner.resolve_attention", lambda *args: ("flash_varlen", args[-1])
+    )
     llm = LLM(checkpoint, block_size=256, num_kv_blocks=8, max_num_seqs=4, enable_prefix_caching=False)
     runner = llm.engine.runner
     runner.graphs = runner.capture_decode_graphs(capture=False)

@@ -5,9 +5,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from raylane.models.demo import DEMO_MODELS, create_demo_models
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from cluster.demo_models import DEMO_MODELS, create_demo_models
 
 TOOLS = [
     {

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from cluster.config import EngineConfig
-from engine import LLM, AsyncLLM, SamplingParams
-from engine.llm_engine import LLMEngine
+from raylane.config import EngineConfig
+from raylane.engine import LLM, AsyncLLM, SamplingParams
+from raylane.engine.llm_engine import LLMEngine
 
 
 def random_prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
@@ -141,7 +140,7 @@ async def test_a_consumer_that_falls_behind_gets_the_piled_up_deltas_as_one(llam
     add up to exactly what a prompt reader gets: no token, text or logprob lost or repeated."""
     from operator import methodcaller
 
-    from engine import RequestOutputKind
+    from raylane.engine import RequestOutputKind
 
     engine = AsyncLLM(model=llama, num_kv_blocks=64)
     params = SamplingParams(
@@ -170,7 +169,7 @@ async def test_a_consumer_that_falls_behind_gets_the_piled_up_deltas_as_one(llam
 async def test_stream_interval_sends_fewer_bigger_deltas_with_the_same_tokens(llama):
     """`stream_interval=4`: the first token at once, then deltas of at least 4 tokens until the last,
     adding up to exactly the tokens and text of an every-token stream."""
-    from engine import RequestOutputKind
+    from raylane.engine import RequestOutputKind
 
     params = SamplingParams(
         temperature=0, max_tokens=19, ignore_eos=True, output_kind=RequestOutputKind.DELTA
@@ -257,7 +256,7 @@ def test_bad_prompts_are_rejected_with_a_clear_error(llama):
 async def test_killed_engine_core_process_ends_requests_with_an_error(llama):
     """`engine_core: process`: if the core process dies mid-stream, requests in flight, health checks
     and new requests all fail with EngineDeadError instead of waiting forever."""
-    from engine import EngineDeadError
+    from raylane.engine import EngineDeadError
 
     engine = AsyncLLM(model=llama, num_kv_blocks=64, engine_core="process")
     progress = [0, 0]
@@ -288,7 +287,7 @@ async def test_a_stuck_engine_fails_its_health_check_and_an_idle_one_does_not(ll
     import os
     import signal
 
-    from engine import EngineDeadError
+    from raylane.engine import EngineDeadError
 
     engine = AsyncLLM(model=llama, num_kv_blocks=64, engine_core="process", iteration_timeout_s=1.0)
     await asyncio.sleep(1.5)  # idle past the bound
@@ -324,7 +323,7 @@ def test_a_checkpoint_the_core_process_cannot_load_is_the_callers_error(llama, t
     with pytest.raises(FileNotFoundError, match="model weights not found"):
         AsyncLLM(model=str(tmp_path), num_kv_blocks=64, engine_core="process")
     children = subprocess.run(
-        ["pgrep", "-P", str(os.getpid()), "-f", "engine.core_proc"], capture_output=True, text=True
+        ["pgrep", "-P", str(os.getpid()), "-f", "raylane.engine.core_proc"], capture_output=True, text=True
     )
     assert children.stdout == "", children.stdout
 
@@ -366,7 +365,7 @@ async def _tokens(engine: AsyncLLM) -> list[int]:
 
 
 def test_shut_down_llm_refuses_to_generate(llama):
-    from engine import EngineDeadError
+    from raylane.engine import EngineDeadError
 
     with LLM(llama, num_kv_blocks=64) as llm:
         assert len(llm.generate([[5, 6, 7]], greedy(3))[0].outputs[0].token_ids) == 3

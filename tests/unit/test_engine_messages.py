@@ -5,12 +5,19 @@ import asyncio
 import pickle
 
 import pytest
-
-from engine import EngineDeadError
-from engine.core_messages import Aborted, AddRequest, EngineDied, Outputs, RequestAdded, RunResult, Shutdown
-from engine.core_proc import _sendable
-from engine.output_collector import RequestOutputCollector
-from engine.outputs import CompletionOutput, RequestOutput
+from raylane.engine import EngineDeadError
+from raylane.engine.core_messages import (
+    Aborted,
+    AddRequest,
+    EngineDied,
+    Outputs,
+    RequestAdded,
+    RunResult,
+    Shutdown,
+)
+from raylane.engine.core_proc import _sendable
+from raylane.engine.output_collector import RequestOutputCollector
+from raylane.engine.outputs import CompletionOutput, RequestOutput
 
 
 def delta(tokens: list[int], finished: bool = False) -> RequestOutput:

@@ -7,8 +7,7 @@ import json
 
 import jsonschema
 import pytest
-
-from engine import LLM, RequestOutputKind, Resumption, SamplingParams
+from raylane.engine import LLM, RequestOutputKind, Resumption, SamplingParams
 
 PROMPT = "tell me a story"
 SCHEMA = {

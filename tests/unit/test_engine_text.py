@@ -4,8 +4,7 @@ import json
 
 import jsonschema
 import pytest
-
-from engine import LLM, AsyncLLM, RequestOutputKind, SamplingParams
+from raylane.engine import LLM, AsyncLLM, RequestOutputKind, SamplingParams
 
 SCHEMA = {
     "type": "object",

@@ -1,7 +1,7 @@
-"""Which routes the gateway's router gets from a cluster config (deployments/routing.py)."""
+"""Which routes the gateway's router gets from a cluster config (deployments/gateway/routing.py)."""
 
-from cluster.config import ClusterConfig
-from deployments.routing import effective_router_config, pool_specs
+from raylane.config import ClusterConfig
+from raylane.deployments.gateway.routing import effective_router_config, pool_specs
 
 ENGINE = {"max_model_len": 128}
 
@@ -52,9 +52,8 @@ def test_rate_limits_are_the_clusters_split_over_the_gateway_replicas():
     """A tier's limits hold for the cluster: with three gateway replicas each refuses a key past a
     third of them (rounded up), so the key gets its limit in all, not three times it."""
     import pytest
-
-    from deployments.routing import build_router
-    from router.errors import RateLimitError
+    from raylane.deployments.gateway.routing import build_router
+    from raylane.router.errors import RateLimitError
 
     tiers = [
         {"name": "standard", "priority": 1, "requests_per_minute": 7, "max_concurrent_per_key": 3},

@@ -5,16 +5,16 @@ a GPU machine."""
 
 import pytest
 import torch
+from raylane.config import EngineConfig, PoolConfig
+from raylane.engine.memory_profile import DraftReservation, GiB, MemoryReport, kv_cache_split
+from raylane.engine.model_runner import ModelRunner
+from raylane.engine.request import Request
+from raylane.engine.sampler import Sampler
+from raylane.engine.sampling_params import SamplingParams
+from raylane.engine.spec_decode.draft_model import draft_reservation
+from raylane.parallel import state
 from torch.overrides import TorchFunctionMode
 
-from cluster.config import EngineConfig, PoolConfig
-from engine.memory_profile import DraftReservation, GiB, MemoryReport, kv_cache_split
-from engine.model_runner import ModelRunner
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.spec_decode.draft_model import draft_reservation
-from parallel import state
 from tests.hf_models import make_checkpoint
 
 BLOCK = 2 * GiB // 1000  # a made-up KV block of ~2 MiB
@@ -179,7 +179,7 @@ def test_a_steps_sampling_reads_back_only_the_token_ids():
 def test_device_auto_reserves_a_gpu_per_rank_where_the_cluster_has_gpus(tensor_parallel_size):
     """No GPU here: the cluster's GPUs are a flag. An actor that reserves none sees none, so a pool
     on `device: auto` must reserve them, in-process (the replica) or one per rank's bundle."""
-    from deployments.app import pool_deployment_options
+    from raylane.deployments.app import pool_deployment_options
 
     engine = {"device": "auto", "tensor_parallel_size": tensor_parallel_size}
     pool = PoolConfig.model_validate({"name": "chat", "model": "demo:raylane-llama-tiny", "engine": engine})

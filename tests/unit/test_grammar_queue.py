@@ -6,8 +6,7 @@ import asyncio
 import time
 
 import pytest
-
-from engine.grammar_compiler import BoundedWorker, GrammarBusy
+from raylane.engine.grammar_compiler import BoundedWorker, GrammarBusy
 
 SLOW_S = 2.0  # each queued call holds the worker this long: the refusals below come microseconds in
 
@@ -68,9 +67,9 @@ def test_a_pools_full_compile_queue_is_the_clients_429_with_retry_after():
     import pickle
     from types import SimpleNamespace
 
-    from deployments.dispatch import error_response
-    from deployments.errors import OpenAIError
-    from deployments.serving import OpenAIServing
+    from raylane.deployments.gateway.dispatch import error_response
+    from raylane.deployments.pool.serving import OpenAIServing
+    from raylane.deployments.protocol.errors import OpenAIError
 
     class FullQueue:
         async def prepare(self, structured) -> None:
@@ -108,7 +107,7 @@ def test_the_bound_is_the_workers_cpu_time_and_it_runs_below_serving():
     killed. And the worker runs niced, below the serving processes."""
     import os
 
-    from engine.grammar_compiler import WALL_FACTOR, WORKER_NICE, GrammarTimeout
+    from raylane.engine.grammar_compiler import WALL_FACTOR, WORKER_NICE, GrammarTimeout
 
     async def main() -> None:
         worker = BoundedWorker(timeout_s=BOUND_S, preload=("time",))

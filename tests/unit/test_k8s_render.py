@@ -12,9 +12,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-
-from cluster import k8s
-from cluster.config import ClusterConfig
+from raylane.cluster import k8s
+from raylane.config import ClusterConfig
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
@@ -163,7 +162,7 @@ def test_serve_config_is_the_builder_with_the_config(directory, config):
     serve_config = yaml.safe_load(ray_service(directory)["spec"]["serveConfigV2"])
     ServeDeploySchema.model_validate(serve_config)  # what Serve's REST API accepts
     (app,) = serve_config["applications"]
-    assert app["import_path"] == "deployments.app:build_app"  # the builder `raylane serve` runs
+    assert app["import_path"] == "raylane.deployments.app:build_app"  # the builder `raylane serve` runs
     expected = ClusterConfig.from_yaml(K8S / "configs" / f"{config}.yaml")
     assert ClusterConfig.from_dict(app["args"]) == expected
     assert serve_config["http_options"] == {"host": "0.0.0.0", "port": expected.http.port}
@@ -243,7 +242,7 @@ def test_pod_monitor_scrapes_every_ray_pod():
 
 
 def test_render_refuses_what_a_manifest_cannot_hold(tmp_path, capsys):
-    from cluster.cli import main
+    from raylane.cluster.cli import main
 
     inline = yaml.safe_load((K8S / "configs" / "cpu-demo.yaml").read_text())
     inline["api_keys"] = {"keys": {"sk-secret": "premium"}}
@@ -263,7 +262,7 @@ def test_render_refuses_what_a_manifest_cannot_hold(tmp_path, capsys):
 
 
 def test_render_refuses_to_give_the_public_demo_key_a_privileged_tier(tmp_path, capsys):
-    from cluster.cli import main
+    from raylane.cluster.cli import main
 
     demo = yaml.safe_load((K8S / "configs" / "cpu-demo.yaml").read_text())
     demo["api_keys"]["default_tier"] = "premium"  # top priority, no rate limit

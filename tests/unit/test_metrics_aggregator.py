@@ -1,9 +1,9 @@
 """The aggregate that `/metrics` serves: totals that never go backwards when replicas come and go,
 reports applied at most once, gauges per live replica, and vLLM-style per-request recording."""
 
-from deployments.metrics.aggregator import MetricsAggregator, render
-from deployments.metrics.pool import MeteredLLM, PoolMetrics, RequestTracker
-from engine.outputs import CompletionOutput, RequestOutput
+from raylane.deployments.metrics.aggregator import MetricsAggregator, render
+from raylane.deployments.metrics.pool import MeteredLLM, PoolMetrics, RequestTracker
+from raylane.engine.outputs import CompletionOutput, RequestOutput
 
 
 def output(tokens, reason=None, ttft=0.1, e2e=None, prompt=(1, 2, 3), index=0):

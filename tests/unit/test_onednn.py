@@ -4,14 +4,14 @@ is, is `raylane bench engine`'s business (bench/README.md), not a test's."""
 
 import pytest
 import torch
+from raylane.config import EngineConfig
+from raylane.engine import LLM, SamplingParams
+from raylane.engine.model_runner import ModelRunner
+from raylane.models import load_model
+from raylane.parallel import onednn
+from raylane.parallel.layers import LinearBase, ParallelLMHead
+from raylane.parallel.moe import FusedMoE
 
-from cluster.config import EngineConfig
-from engine import LLM, SamplingParams
-from engine.model_runner import ModelRunner
-from models import load_model
-from parallel import onednn
-from parallel.layers import LinearBase, ParallelLMHead
-from parallel.moe import FusedMoE
 from tests.hf_models import load_hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

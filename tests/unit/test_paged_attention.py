@@ -9,16 +9,16 @@ hold to Hugging Face. What only a GPU shows (the kernel itself, speed) is `bench
 """
 
 import pytest
+import raylane.models.paged_kernel as paged_kernel
 import torch
 import torch.nn.functional as F
+from raylane.config import EngineConfig
+from raylane.engine import LLM, SamplingParams
+from raylane.engine.block_manager import NULL_BLOCK
+from raylane.models.attention import build_attention_metadata, paged_attention
+from raylane.models.paged_kernel import PAGE_MULTIPLE, resolve_attention, select_attention_backend
 from transformers import AutoModelForCausalLM, MistralConfig
 
-import models.paged_kernel as paged_kernel
-from cluster.config import EngineConfig
-from engine import LLM, SamplingParams
-from engine.block_manager import NULL_BLOCK
-from models.attention import build_attention_metadata, paged_attention
-from models.paged_kernel import PAGE_MULTIPLE, resolve_attention, select_attention_backend
 from tests.hf_models import TINY_CONFIG
 
 BLOCK = PAGE_MULTIPLE
@@ -183,7 +183,9 @@ def test_the_engine_on_the_flash_backend_generates_hugging_faces_tokens(windowed
         return varlen_attn_reference(query, *args, **kwargs)
 
     monkeypatch.setattr(paged_kernel, "_KERNEL", recording_kernel)
-    monkeypatch.setattr("engine.model_runner.resolve_attention", lambda *args: ("flash_varlen", args[-1]))
+    monkeypatch.setattr(
+        "raylane.engine.model_runner.resolve_attention", lambda *args: ("flash_varlen", args[-1])
+    )
     llm = LLM(path, block_size=BLOCK, num_kv_blocks=8, max_num_batched_tokens=64, enable_prefix_caching=False)
     assert llm.engine.runner.attention_backend == "flash_varlen"
     g = torch.Generator().manual_seed(3)
@@ -268,7 +270,7 @@ def test_the_engine_takes_its_block_size_from_the_ranks(windowed_checkpoint, mon
     """The block manager, the context limit and the cache use the size the runner chose (made up
     here: 8), not the config's unset one; the engine still generates Hugging Face's tokens."""
     path, hf = windowed_checkpoint
-    monkeypatch.setattr("engine.model_runner.resolve_attention", lambda *args: ("torch", 8))
+    monkeypatch.setattr("raylane.engine.model_runner.resolve_attention", lambda *args: ("torch", 8))
     llm = LLM(path, num_kv_blocks=40, max_num_batched_tokens=64)
     assert llm.engine.config.block_size is None
     assert llm.engine.block_manager.block_size == 8 and llm.engine.max_model_len == 320

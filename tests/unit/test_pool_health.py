@@ -5,9 +5,8 @@ Ray's answers, is tests/integration/test_router_live.py's busy-pool test.)"""
 import asyncio
 
 import pytest
-
-from deployments import pool_health
-from deployments.pool_health import PoolHealth
+from raylane.deployments.gateway import pool_health
+from raylane.deployments.gateway.pool_health import PoolHealth
 
 
 class Pool:

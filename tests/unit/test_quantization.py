@@ -13,14 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from cluster.config import EngineConfig
-from engine import LLM, SamplingParams
-from engine.model_runner import ModelInput, ModelRunner
-from models.loader import process_weights_after_loading
-from parallel.int4 import Int4Weight, dequantize_int4, int4_linear, quantize_int4
-from parallel.layers import ColumnParallelLinear, LinearBase, RowParallelLinear, VocabParallelEmbedding
-from parallel.quantization import int4_fits, int8_linear, quantize_int8, quantize_linear_
+from raylane.config import EngineConfig
+from raylane.engine import LLM, SamplingParams
+from raylane.engine.model_runner import ModelInput, ModelRunner
+from raylane.models.loader import process_weights_after_loading
+from raylane.parallel.int4 import Int4Weight, dequantize_int4, int4_linear, quantize_int4
+from raylane.parallel.layers import (
+    ColumnParallelLinear,
+    LinearBase,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from raylane.parallel.quantization import int4_fits, int8_linear, quantize_int8, quantize_linear_
 
 SETTINGS = {
     "bf16": (dict(dtype="bfloat16"), 0.05, 0.85),
@@ -47,7 +51,7 @@ def runner_logits_of(runner: ModelRunner, seqs: list[list[int]]) -> torch.Tensor
 
 @pytest.fixture(scope="module")
 def llama_demo(demo_models):
-    from cluster.demo_models import LLAMA
+    from raylane.models.demo import LLAMA
 
     return str(demo_models[LLAMA]) if isinstance(demo_models, dict) else str(demo_models / LLAMA)
 
@@ -234,7 +238,7 @@ def test_int4_shard_not_a_whole_number_of_groups_takes_int8(caplog):
     model = torch.nn.Sequential(RowParallelLinear(96, 64, reduce_results=False, tp_rank=1, tp_size=2))
     weight = torch.randn(64, 96)
     model[0].weight.weight_loader(model[0].weight, weight)
-    with caplog.at_level("WARNING", logger="parallel.weight_processing"):
+    with caplog.at_level("WARNING", logger="raylane.parallel.weight_processing"):
         process_weights_after_loading(model, "int4")
     assert model[0].quantization == "int8"
     assert "took int8" in caplog.text and "(64, 48)" in caplog.text
@@ -307,7 +311,7 @@ def test_bf16_on_a_cpu_without_native_bf16_stays_close_to_float32(llama_demo, mo
     attention run in float32 (parallel/onednn.py `dense_linear`, models/attention.py): the logits keep
     to bf16's tolerance. (Forced here by the probe's answer; `ATEN_CPU_CAPABILITY=avx2
     ONEDNN_MAX_CPU_ISA=AVX2` gives the same on an AVX-512 machine.)"""
-    from parallel import onednn
+    from raylane.parallel import onednn
 
     monkeypatch.setitem(onednn._PROBED, torch.bfloat16, False)
     g = torch.Generator().manual_seed(2)

@@ -3,10 +3,9 @@ loading the same file: weights, tokenizer, greedy tokens and logprobs, across th
 
 import pytest
 import torch
-
-from cluster.packaged_models import packaged_model_path
-from engine import LLM, SamplingParams
-from models.gguf import checkpoint_dir, iter_gguf, read_index
+from raylane.engine import LLM, SamplingParams
+from raylane.models.gguf import checkpoint_dir, iter_gguf, read_index
+from raylane.models.packaged import packaged_model_path
 
 NEW_TOKENS = 24
 # Written for this test: short, everyday and coding questions, so answers are ordinary text.
@@ -96,7 +95,7 @@ def test_a_rank_reads_only_its_rows_of_a_permuted_projection(gguf_path, hf_model
 
 
 def test_tokenizer_and_chat_template_come_from_the_file(gguf_path, chat_prompts):
-    from engine.tokenizer import load_tokenizer
+    from raylane.engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(gguf_path))
     text = tokenizer.apply_chat_template([{"role": "user", "content": CHATS[0]}], add_generation_prompt=True)

@@ -3,9 +3,9 @@ summary with it; an error event that ends a stream counts against the pool."""
 
 import asyncio
 
-from deployments.errors import unavailable
-from deployments.relay import relay
-from deployments.wire import FinalItem, RequestSummary, StreamItem, sse_error
+from raylane.deployments.gateway.relay import relay
+from raylane.deployments.protocol.errors import unavailable
+from raylane.deployments.protocol.wire import FinalItem, RequestSummary, StreamItem, sse_error
 
 
 class Call:
@@ -70,7 +70,8 @@ def test_a_stream_that_is_one_item_is_relayed_whole():
 
 
 class Resumer:
-    """Stands in for deployments.resumption.Resumer: tracks the items relayed and continues on `then`."""
+    """Stands in for raylane.deployments.gateway.resumption.Resumer: tracks the items relayed and continues on
+    `then`."""
 
     def __init__(self, then: Call | None):
         self.then, self.tokens, self.tokens_before, self.failures = then, 0, 0, []
@@ -115,7 +116,7 @@ def test_a_client_that_stops_reading_loses_its_slot_after_the_write_bound():
     """The client reads the response's start and first event, then nothing: the next write blocks (a
     server with backpressure, its socket buffers full). Past the bound the stream is closed: the pool
     call is cancelled and the slot released, while the pool still had events to send."""
-    from deployments.relay import BoundedStreamingResponse
+    from raylane.deployments.gateway.relay import BoundedStreamingResponse
 
     call, slot = Call([f"event {i}" for i in range(1000)]), Slot()
     usage: list[int] = []

@@ -1,16 +1,15 @@
-"""Reading a request body (deployments/request_body.py) as the gateway does, on a real Starlette
+"""Reading a request body (deployments/gateway/request_body.py) as the gateway does, on a real Starlette
 `Request`: the wrong element named in a huge body, and large bodies parsed off the event loop."""
 
 import json
 import threading
 
 import pytest
+import raylane.deployments.gateway.request_body as request_body
+from raylane.deployments.gateway.request_body import INLINE_BODY_BYTES, parse_body, unencodable_text
+from raylane.deployments.protocol.errors import OpenAIError
+from raylane.deployments.protocol.openai_schemas import ChatCompletionRequest
 from starlette.requests import Request
-
-import deployments.request_body as request_body
-from deployments.errors import OpenAIError
-from deployments.openai_schemas import ChatCompletionRequest
-from deployments.request_body import INLINE_BODY_BYTES, parse_body, unencodable_text
 
 LIMIT = 8 * 1024 * 1024
 

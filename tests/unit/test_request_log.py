@@ -6,9 +6,13 @@ import json
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-
-from deployments.request_log import RequestLogMiddleware, RequestRecord, note_summary, router_timed
-from deployments.wire import RequestSummary
+from raylane.deployments.gateway.request_log import (
+    RequestLogMiddleware,
+    RequestRecord,
+    note_summary,
+    router_timed,
+)
+from raylane.deployments.protocol.wire import RequestSummary
 
 SECRET = "my-secret-prompt-words"
 API_KEY = "sk-very-secret-key"
@@ -139,7 +143,7 @@ def test_health_probes_are_not_logged():
 def test_the_sink_writes_json_lines_to_the_configured_file(tmp_path, monkeypatch):
     import logging
 
-    from deployments import request_log
+    from raylane.deployments.gateway import request_log
 
     path = tmp_path / "requests.jsonl"
     monkeypatch.setenv("RAYLANE_REQUEST_LOG", str(path))

@@ -1,4 +1,4 @@
-"""The pool's replica router (deployments/request_router.py), driven as Serve drives it: built with a
+"""The pool's replica router (deployments/gateway/request_router.py), driven as Serve drives it: built with a
 deployment id, given the pool's `request_router_kwargs` through `initialize_state`, fed the replica set
 through `update_replicas`, asked `choose_replicas` for a `PendingRequest` carrying the gateway's real
 `ChatCompletionRequest`, told `on_request_routed`. The replicas are Serve's `RunningReplica` with what
@@ -10,12 +10,11 @@ import uuid
 
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
-
-from cluster.config import PoolConfig
-from deployments.app import request_router_config
-from deployments.metrics.gateway import gateway_metrics
-from deployments.openai_schemas import ChatCompletionRequest, CompletionRequest
-from deployments.request_router import PrefixAwareRouter, block_hashes, request_text
+from raylane.config import PoolConfig
+from raylane.deployments.app import request_router_config
+from raylane.deployments.gateway.request_router import PrefixAwareRouter, block_hashes, request_text
+from raylane.deployments.metrics.gateway import gateway_metrics
+from raylane.deployments.protocol.openai_schemas import ChatCompletionRequest, CompletionRequest
 
 SYSTEM = (
     "You are the support assistant of a bicycle shop. Answer questions about repairs, parts, "
@@ -168,11 +167,11 @@ async def test_prompt_blocks_agree_as_far_as_the_messages_do():
 
 
 def test_only_the_serve_default_policy_leaves_serves_router():
-    from deployments.app import pool_deployment_options
+    from raylane.deployments.app import pool_deployment_options
 
     pool = PoolConfig.model_validate({"name": "chat", "model": "demo:raylane-llama-tiny", "engine": {}})
     config = pool_deployment_options(pool)["request_router_config"]
-    assert config.request_router_class == "deployments.request_router.PrefixAwareRouter"
+    assert config.request_router_class == "raylane.deployments.gateway.request_router.PrefixAwareRouter"
     assert config.request_router_kwargs["block_chars"] == 64  # 4 characters a token, 16-token blocks
     engine = {"block_size": 32}
     sized = PoolConfig.model_validate({"name": "chat", "model": "demo:raylane-llama-tiny", "engine": engine})

@@ -2,8 +2,8 @@
 
 import json
 
-from deployments import response_store
-from deployments.response_store import ResponseStore
+from raylane.deployments.gateway import response_store
+from raylane.deployments.gateway.response_store import ResponseStore
 
 
 def test_oldest_responses_go_first_beyond_the_size_bound():

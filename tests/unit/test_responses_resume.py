@@ -4,7 +4,7 @@ continuation's are one Responses stream (sequence numbers 0..N-1, the same respo
 items with the same ids and indexes, each text delta once) whose assembled view is the undisturbed
 stream's; a forced function call's arguments and a json_schema answer still validate, and reasoning
 stays reasoning. Every event is validated as the openai SDK's typed model of its type. Each stream is
-cut after some of its items, as the gateway would resume it (deployments/relay.py adds each relayed
+cut after some of its items, as the gateway would resume it (deployments/gateway/relay.py adds each relayed
 item to the state); the last test has the gateway's relay and Resumer do it, with a stand-in for the
 Serve handle whose replica dies."""
 
@@ -16,19 +16,18 @@ import jsonschema
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from ray.exceptions import ActorDiedError
-
-from cluster.config import ClusterConfig
-from deployments.metrics.pool import MeteredLLM, PoolMetrics
-from deployments.pool_health import PoolHealth
-from deployments.relay import relay
-from deployments.responses_request import echo, to_chat_request
-from deployments.responses_schemas import ResponsesRequest
-from deployments.resumption import Resumer
-from deployments.sampling import chat_params
-from deployments.serving_chat import OpenAIServingChat
-from deployments.serving_responses import OpenAIServingResponses
-from deployments.wire import FinalItem, ResumeState, StreamItem
-from engine import AsyncLLM
+from raylane.config import ClusterConfig
+from raylane.deployments.gateway.pool_health import PoolHealth
+from raylane.deployments.gateway.relay import relay
+from raylane.deployments.gateway.resumption import Resumer
+from raylane.deployments.metrics.pool import MeteredLLM, PoolMetrics
+from raylane.deployments.pool.serving_chat import OpenAIServingChat
+from raylane.deployments.pool.serving_responses import OpenAIServingResponses
+from raylane.deployments.protocol.responses_request import echo, to_chat_request
+from raylane.deployments.protocol.responses_schemas import ResponsesRequest
+from raylane.deployments.protocol.sampling import chat_params
+from raylane.deployments.protocol.wire import FinalItem, ResumeState, StreamItem
+from raylane.engine import AsyncLLM
 
 EVENT_MODELS = {
     member.model_fields["type"].annotation.__args__[0]: member

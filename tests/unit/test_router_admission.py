@@ -3,10 +3,9 @@
 import asyncio
 
 import pytest
-
-from cluster.config import TierConfig
-from router.admission import AdmissionController, PoolLoad
-from router.errors import KeyConcurrencyError, OverloadedError
+from raylane.config import TierConfig
+from raylane.router.admission import AdmissionController, PoolLoad
+from raylane.router.errors import KeyConcurrencyError, OverloadedError
 
 PREMIUM = TierConfig(name="premium", priority=0, max_queue_depth=8, max_queue_wait_s=5)
 STANDARD = TierConfig(name="standard", priority=1, max_queue_depth=8, max_queue_wait_s=5)
@@ -228,7 +227,7 @@ async def test_clients_told_to_come_back_count_ahead_until_they_are_due():
 
 
 def test_retry_hints_are_spread_so_shed_clients_do_not_return_together():
-    from router.errors import OverloadedError
+    from raylane.router.errors import OverloadedError
 
     hints = [int(OverloadedError("busy", retry_after=0.3).headers()["retry-after-ms"]) for _ in range(200)]
     assert min(hints) >= 1000 and max(hints) <= 1500  # never sooner than 1 s; spread over half a second

@@ -4,10 +4,9 @@ import json
 from collections import Counter
 
 import pytest
-
-from cluster.config import RouterConfig
-from router.classifier import SemanticClassifier
-from router.dataset import (
+from raylane.config import RouterConfig
+from raylane.router.classifier import SemanticClassifier
+from raylane.router.dataset import (
     CONVERSATIONS_DEV_PATH,
     CONVERSATIONS_EVAL_PATH,
     EVAL_PATH,
@@ -17,7 +16,7 @@ from router.dataset import (
     read_labelled,
     read_lines,
 )
-from router.evaluate import evaluate, evaluate_conversations, humaneval_examples
+from raylane.router.evaluate import evaluate, evaluate_conversations, humaneval_examples
 
 SYSTEM = {
     "coding": "You are a senior software engineer who reviews Python code and fixes bugs.",
@@ -218,8 +217,8 @@ def test_regex_rule_decides_pasted_code(classifier):
 def test_a_2_mb_pathological_turn_is_read_only_at_its_head_and_tail(classifier, monkeypatch):
     """Every step before admission reads a bounded part of the text: the rules, the tokenizer, the
     n-grams. What each is handed is recorded; none may be handed more than the rule window."""
-    import router.classifier as module
-    from router.rules import RULE_WINDOW_CHARS, RouteRules
+    import raylane.router.classifier as module
+    from raylane.router.rules import RULE_WINDOW_CHARS, RouteRules
 
     read: dict[str, int] = {"rules": 0, "tokenizer": 0, "ngrams": 0}
 
@@ -290,9 +289,9 @@ def test_a_route_defined_by_a_few_config_examples_is_learned(classifier):
 
 
 def test_cli_prints_one_json_decision_per_line(classifier, monkeypatch, capsys, tmp_path):
-    from cluster.cli import main
+    from raylane.cluster.cli import main
 
-    monkeypatch.setattr("router.classifier.SemanticClassifier", lambda config: classifier)
+    monkeypatch.setattr("raylane.router.classifier.SemanticClassifier", lambda config: classifier)
     prompts = tmp_path / "prompts.txt"
     tutor = {"role": "system", "content": SYSTEM["reasoning"]}
     conversation = {"messages": [tutor, user("Is there a quicker way?")]}
@@ -304,9 +303,9 @@ def test_cli_prints_one_json_decision_per_line(classifier, monkeypatch, capsys, 
 
 
 def test_cli_eval_prints_accuracy_and_confusion_matrix(classifier, monkeypatch, capsys, tmp_path):
-    from cluster.cli import main
+    from raylane.cluster.cli import main
 
-    monkeypatch.setattr("router.classifier.SemanticClassifier", lambda config: classifier)
+    monkeypatch.setattr("raylane.router.classifier.SemanticClassifier", lambda config: classifier)
     labelled = tmp_path / "labelled.tsv"
     labelled.write_text("coding\tfix my segfault in C\nchat\twhat's a nice gift for my dad\n")
     assert main(["route", "--eval", str(labelled), "--no-humaneval"]) == 0
@@ -315,9 +314,9 @@ def test_cli_eval_prints_accuracy_and_confusion_matrix(classifier, monkeypatch, 
 
 
 def test_cli_eval_reads_labelled_conversations(classifier, monkeypatch, capsys, tmp_path):
-    from cluster.cli import main
+    from raylane.cluster.cli import main
 
-    monkeypatch.setattr("router.classifier.SemanticClassifier", lambda config: classifier)
+    monkeypatch.setattr("raylane.router.classifier.SemanticClassifier", lambda config: classifier)
     tutor = {"role": "system", "content": SYSTEM["reasoning"]}
     rows = [
         {"route": "reasoning", "lang": "en", "messages": [tutor, user("Is there a quicker way?")]},

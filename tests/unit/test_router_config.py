@@ -2,8 +2,7 @@
 
 import pytest
 from pydantic import ValidationError
-
-from cluster.config import ApiKeysConfig, RouteConfig, RouterConfig, TierConfig, default_tiers
+from raylane.config import ApiKeysConfig, RouteConfig, RouterConfig, TierConfig, default_tiers
 
 
 def error_text(excinfo) -> str:

@@ -3,12 +3,11 @@
 import asyncio
 
 import pytest
-
-from cluster.config import ApiKeysConfig, CircuitBreakerConfig, RouterConfig, TierConfig, default_tiers
-from router import PoolSpec, Router
-from router.classifier import RouteDecision
-from router.errors import ContextLengthError, NoPoolAvailableError, OverloadedError, RateLimitError
-from router.fallback import CircuitState
+from raylane.config import ApiKeysConfig, CircuitBreakerConfig, RouterConfig, TierConfig, default_tiers
+from raylane.router import PoolSpec, Router
+from raylane.router.classifier import RouteDecision
+from raylane.router.errors import ContextLengthError, NoPoolAvailableError, OverloadedError, RateLimitError
+from raylane.router.fallback import CircuitState
 
 KEYS = ApiKeysConfig(keys={"sk-premium": "premium", "sk-free": "free"}, default_tier="free")
 

@@ -1,6 +1,6 @@
 """Circuit breakers (closed -> open -> half-open probe -> closed) and the per-request fallback chain."""
 
-from router.fallback import CircuitBreaker, CircuitState, FallbackChain, FallbackReason
+from raylane.router.fallback import CircuitBreaker, CircuitState, FallbackChain, FallbackReason
 
 
 class FakeClock:

@@ -1,10 +1,9 @@
 """Requests/min and tokens/min per key: over the limit -> 429 with a Retry-After that works."""
 
 import pytest
-
-from cluster.config import TierConfig
-from router.errors import RateLimitError
-from router.rate_limit import RateLimiter
+from raylane.config import TierConfig
+from raylane.router.errors import RateLimitError
+from raylane.router.rate_limit import RateLimiter
 
 
 class FakeClock:

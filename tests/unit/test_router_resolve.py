@@ -1,11 +1,10 @@
 """`model` -> pools: a pool name, its served model id, `auto` / `raylane-auto`, or a clear 404."""
 
 import pytest
-
-from cluster.config import RouterConfig
-from router.classifier import RouteDecision
-from router.errors import UnknownModelError
-from router.resolve import DIRECT_ROUTE, ModelResolver, PoolSpec
+from raylane.config import RouterConfig
+from raylane.router.classifier import RouteDecision
+from raylane.router.errors import UnknownModelError
+from raylane.router.resolve import DIRECT_ROUTE, ModelResolver, PoolSpec
 
 POOLS = [
     PoolSpec("coding", model_id="Qwen/Qwen2.5-Coder-7B-Instruct"),

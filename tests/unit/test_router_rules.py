@@ -6,9 +6,8 @@ reads all of a multi-megabyte paste, would let one request stall a gateway repli
 
 import pytest
 from pydantic import ValidationError
-
-from cluster.config import RouterConfig
-from router.rules import RULE_WINDOW_CHARS, RouteRules, rule_window
+from raylane.config import RouterConfig
+from raylane.router.rules import RULE_WINDOW_CHARS, RouteRules, rule_window
 
 
 def routes_with(**coding) -> dict:

@@ -3,10 +3,9 @@
 import logging
 
 import pytest
-
-from cluster.config import ApiKeysConfig, default_tiers
-from router.errors import AuthenticationError
-from router.tiers import ApiKeyAuthenticator
+from raylane.config import ApiKeysConfig, default_tiers
+from raylane.router.errors import AuthenticationError
+from raylane.router.tiers import ApiKeyAuthenticator
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -28,11 +27,11 @@ def test_right_key_gets_its_tier_and_wrong_key_is_rejected():
 
 
 def test_keys_are_compared_in_constant_time(monkeypatch):
-    import router.tiers
+    import raylane.router.tiers as tiers
 
     calls = []
-    real = router.tiers.hmac.compare_digest
-    monkeypatch.setattr(router.tiers.hmac, "compare_digest", lambda a, b: calls.append(1) or real(a, b))
+    real = tiers.hmac.compare_digest
+    monkeypatch.setattr(tiers.hmac, "compare_digest", lambda a, b: calls.append(1) or real(a, b))
     auth = authenticator(ApiKeysConfig(keys={"k1": "premium", "k2": "standard", "k3": "free"}))
     assert auth.authenticate(bearer("k1")).tier.name == "premium"
     assert len(calls) == 3  # every known key is compared, even after the match
@@ -81,7 +80,7 @@ def test_misconfigured_key_sources_fail_at_start_naming_the_field_not_the_key(tm
 
 
 def test_open_mode_serves_everyone_at_the_default_tier_and_says_so(caplog):
-    with caplog.at_level(logging.WARNING, logger="router.tiers"):
+    with caplog.at_level(logging.WARNING, logger="raylane.router.tiers"):
         auth = authenticator(ApiKeysConfig(default_tier="free"))
     assert auth.open_mode
     assert "OPEN DEVELOPMENT MODE" in caplog.text

@@ -1,21 +1,20 @@
 """A pool replica continuing a stream that another one began (`ResumeState`): what the client gets,
 the items sent before the cut followed by the continuation's, adds up to the undisturbed stream (same
 id and created, text, tool calls, finish reasons, usage) and a constrained output still validates.
-Each stream is cut after half of its items, as the gateway would resume it (deployments/relay.py)."""
+Each stream is cut after half of its items, as the gateway would resume it (deployments/gateway/relay.py)."""
 
 import asyncio
 import json
 
 import jsonschema
 import pytest
-
-from deployments.metrics.pool import MeteredLLM, PoolMetrics
-from deployments.openai_schemas import ChatCompletionRequest, CompletionRequest
-from deployments.sampling import chat_params, completion_params
-from deployments.serving_chat import OpenAIServingChat
-from deployments.serving_completion import OpenAIServingCompletion
-from deployments.wire import FinalItem, ResumeState, StreamItem
-from engine import AsyncLLM
+from raylane.deployments.metrics.pool import MeteredLLM, PoolMetrics
+from raylane.deployments.pool.serving_chat import OpenAIServingChat
+from raylane.deployments.pool.serving_completion import OpenAIServingCompletion
+from raylane.deployments.protocol.openai_schemas import ChatCompletionRequest, CompletionRequest
+from raylane.deployments.protocol.sampling import chat_params, completion_params
+from raylane.deployments.protocol.wire import FinalItem, ResumeState, StreamItem
+from raylane.engine import AsyncLLM
 
 CITY = {
     "type": "object",

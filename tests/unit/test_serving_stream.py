@@ -6,13 +6,13 @@ summary for the gateway's request log, so no further message is needed."""
 import asyncio
 import json
 
-from deployments.metrics.pool import MeteredLLM, PoolMetrics
-from deployments.openai_schemas import ChatCompletionRequest, CompletionRequest
-from deployments.sampling import chat_params, completion_params
-from deployments.serving_chat import OpenAIServingChat
-from deployments.serving_completion import OpenAIServingCompletion
-from deployments.wire import FinalItem, StreamItem
-from engine import AsyncLLM
+from raylane.deployments.metrics.pool import MeteredLLM, PoolMetrics
+from raylane.deployments.pool.serving_chat import OpenAIServingChat
+from raylane.deployments.pool.serving_completion import OpenAIServingCompletion
+from raylane.deployments.protocol.openai_schemas import ChatCompletionRequest, CompletionRequest
+from raylane.deployments.protocol.sampling import chat_params, completion_params
+from raylane.deployments.protocol.wire import FinalItem, StreamItem
+from raylane.engine import AsyncLLM
 
 
 def events(item: str) -> list[dict | str]:

@@ -8,8 +8,12 @@ import time
 import jsonschema
 import pytest
 import torch
+from raylane.engine.structured_output import (
+    GrammarMatcherState,
+    StructuredOutputManager,
+    StructuredOutputParams,
+)
 
-from engine.structured_output import GrammarMatcherState, StructuredOutputManager, StructuredOutputParams
 from tests.tokenizers_for_tests import make_tokenizer
 
 PAD = 24  # the model's logits are wider than the tokenizer: padded ids must never be allowed
@@ -276,7 +280,7 @@ def test_bounded_compile_refuses_a_catastrophic_schema_then_serves_the_next(mana
     the next one compiles in a fresh worker, and the engine only deserializes what it gets."""
     import asyncio
 
-    from engine.grammar_compiler import GrammarCompileService
+    from raylane.engine.grammar_compiler import GrammarCompileService
 
     info = manager.tokenizer_info.serialize_json()
 
@@ -303,7 +307,7 @@ def test_bounded_compile_refuses_a_catastrophic_schema_then_serves_the_next(mana
 
 
 def test_grammar_text_size_is_bounded():
-    from engine.structured_output import MAX_GRAMMAR_CHARS
+    from raylane.engine.structured_output import MAX_GRAMMAR_CHARS
 
     with pytest.raises(ValueError, match=r"structured\.regex: too large"):
         StructuredOutputParams(regex="a" * (MAX_GRAMMAR_CHARS + 1))
@@ -319,7 +323,7 @@ def test_a_replica_starts_its_grammar_forkserver_before_any_grammar_arrives():
 
     script = """
 import os, time
-from engine.grammar_compiler import start_forkserver
+from raylane.engine.grammar_compiler import start_forkserver
 start_forkserver()
 deadline = time.monotonic() + 120
 while time.monotonic() < deadline:
@@ -331,7 +335,7 @@ while time.monotonic() < deadline:
             cmdline = open(f"/proc/{pid}/cmdline").read()
         except OSError:
             continue
-        if "forkserver" in cmdline and "engine.structured_output" in cmdline:
+        if "forkserver" in cmdline and "raylane.engine.structured_output" in cmdline:
             print("forkserver up")
             raise SystemExit
     time.sleep(0.2)

@@ -4,13 +4,13 @@ item 3): other requests' streams and Serve's health checks are coroutines on tha
 import asyncio
 import json
 
-from deployments.openai_schemas import ChatCompletionRequest, CompletionRequest
-from deployments.sampling import chat_params
-from deployments.serving_chat import OpenAIServingChat
-from deployments.serving_completion import OpenAIServingCompletion
-from deployments.serving_tokenization import OpenAIServingTokenization
-from deployments.tokenization_schemas import TokenizeCompletionRequest
-from deployments.tokenize_offload import INLINE_MAX_CHARS, is_large, tokenize_off_loop
+from raylane.deployments.pool.serving_chat import OpenAIServingChat
+from raylane.deployments.pool.serving_completion import OpenAIServingCompletion
+from raylane.deployments.pool.serving_tokenization import OpenAIServingTokenization
+from raylane.deployments.pool.tokenize_offload import INLINE_MAX_CHARS, is_large, tokenize_off_loop
+from raylane.deployments.protocol.openai_schemas import ChatCompletionRequest, CompletionRequest
+from raylane.deployments.protocol.sampling import chat_params
+from raylane.deployments.protocol.tokenization_schemas import TokenizeCompletionRequest
 
 HUGE = "All work and no play makes Jack a dull boy. " * 5_000  # 220 KB: 50x the inline bound
 
@@ -42,7 +42,7 @@ async def ticks_while(work) -> tuple[int, object]:
 
 
 def test_the_loop_runs_while_a_huge_chat_prompt_is_tokenized():
-    from cluster.demo_models import load_tokenizer
+    from raylane.models.demo import load_tokenizer
 
     tokenizer = load_tokenizer()
     serving = OpenAIServingChat(_TokenizerOnly(tokenizer), "chat", 1 << 20)
@@ -56,7 +56,7 @@ def test_the_loop_runs_while_a_huge_chat_prompt_is_tokenized():
 
 
 def test_the_loop_runs_while_a_huge_completion_prompt_and_tokenize_call_are_encoded():
-    from cluster.demo_models import load_tokenizer
+    from raylane.models.demo import load_tokenizer
 
     tokenizer = load_tokenizer()
     completion = OpenAIServingCompletion(_TokenizerOnly(tokenizer), "chat", 1 << 20)

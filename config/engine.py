@@ -1,0 +1,209 @@
+"""Engine settings (`EngineConfig`, vLLM's knobs): a pool's YAML config embeds it as is, and `LLM` /
+`AsyncLLM` take the same fields as keyword arguments."""
+
+import os
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from raylane.config.base import StrictModel
+
+
+class SpeculativeConfig(StrictModel):
+    """Speculative decoding, vLLM's keys: a proposer drafts tokens that one target forward verifies."""
+
+    method: Literal["ngram", "draft_model"] = Field(
+        description="ngram: prompt lookup (drafts copy what followed the latest earlier occurrence of the "
+        "context's last n tokens); draft_model: a smaller checkpoint with the same tokenizer drafts."
+    )
+    num_speculative_tokens: int = Field(ge=1, le=16, description="Draft tokens verified per step.")
+    prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest suffix looked up.")
+    prompt_lookup_min: int = Field(2, ge=1, description="ngram: shortest suffix looked up.")
+    model: str | None = Field(None, description="draft_model: the draft checkpoint directory.")
+
+    @model_validator(mode="after")
+    def _method_settings(self) -> "SpeculativeConfig":
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model: the draft_model method needs a draft checkpoint")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("speculative_config.prompt_lookup_min: must be <= prompt_lookup_max")
+        return self
+
+
+class EngineConfig(StrictModel):
+    """One engine (one pool replica): model, batch and KV cache, dtype, parallel layout."""
+
+    model: str = Field(
+        description="Local Hugging Face checkpoint directory (config.json + safetensors), or a .gguf file "
+        "(llama, mistral, qwen2, qwen3; dequantized at load, see models/gguf.py)."
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer directory; defaults to `model`.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights/activations dtype. auto: the checkpoint's dtype on GPU, float32 on CPU."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available.")
+
+    @field_validator("model", "tokenizer")
+    @classmethod
+    def _expand_home(cls, path: str | None) -> str | None:
+        return os.path.expanduser(path) if path else path
+
+    quantization: Literal["int8", "int4"] | None = Field(
+        None,
+        description="int8: weight-only int8 (per-output-channel scales) for the linears, the embedding and "
+        "the LM head, quantized from the fp checkpoint at load time; norms and MoE experts stay in `dtype`. "
+        "int4: weight-only 4-bit for the linears, a scale and zero per 32 inputs (GGUF's Q4_1 blocks, kept "
+        "exactly), torch's CPU int4 kernel for decode-sized batches; embedding and LM head int8.",
+    )
+    cpu_weight_prepack: bool = Field(
+        True,
+        description="CPU: keep the fp weights of the linears, LM head and MoE experts in oneDNN's blocked "
+        "layout and multiply with oneDNN (faster than torch's default CPU matmul: `raylane bench linears`); "
+        "false: torch's F.linear. No effect on GPU, nor on the layers int8 quantization takes.",
+    )
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description="Speculative decoding (ngram prompt lookup or a draft model); None: off."
+    )
+    block_size: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="Tokens per KV cache block. Unset: each rank picks it on its device, 256 where the "
+        "flash_varlen attention backend runs (its paged kernel needs pages of a multiple of 256), else 16.",
+    )
+    attention_backend: Literal["auto", "torch", "flash_varlen"] = Field(
+        "auto",
+        description="torch: gather each request's context (padded) and SDPA with a mask, on any device; "
+        "flash_varlen: FlashAttention-2 reading the KV pages in place, one call per step (CUDA, sm80+, "
+        "fp16/bf16, block_size a multiple of 256, torch 2.13+). auto: flash_varlen where it can run.",
+    )
+    max_num_seqs: int = Field(64, ge=1, description="Most requests in one batch.")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="Token budget of one step; longer prompts are prefilled in chunks."
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest prompt + output; defaults to the model's max_position_embeddings."
+    )
+    num_kv_blocks: int | None = Field(
+        None,
+        ge=1,
+        description="KV cache blocks; default: sized from kv_cache_memory_gb (CPU) or free GPU memory.",
+    )
+    kv_cache_memory_gb: float = Field(
+        2.0, gt=0, description="KV cache size on CPU, per rank, when num_kv_blocks is unset."
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Fraction of GPU memory the weights and KV cache may use."
+    )
+    enforce_eager: bool = Field(
+        False,
+        description="vLLM's switch: true runs every step eagerly; false replays pure-decode steps from CUDA "
+        "graphs captured at start-up for batches of 1, 2, 4, ... up to max_num_seqs (CUDA with the "
+        "flash_varlen attention backend only; never on CPU).",
+    )
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
+    iteration_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="The engine counts as stuck (its health check fails, so Serve replaces the replica) when "
+        "it has requests in flight and has produced no output for this long (vLLM's "
+        "VLLM_ENGINE_ITERATION_TIMEOUT_S). Load only slows steps; a hung rank or core stops them.",
+    )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="Streamed (delta) outputs carry at least this many new tokens, except the first and the "
+        "last: fewer, bigger chunks cost serving less CPU per token (vLLM's --stream-interval).",
+    )
+    seed: int = Field(0, description="Seed of the engine's generator for requests without their own seed.")
+    engine_core: Literal["auto", "thread", "process"] = Field(
+        "auto",
+        description="Where AsyncLLM steps the engine: a thread of the serving process, or a process of its "
+        "own (vLLM V1's multiprocessing), so streaming work never competes with the steps for the GIL. "
+        "process needs the in-process executor (one rank). auto: process for one rank, thread otherwise.",
+    )
+
+    # -- parallelism (engine/executor/; the rank layout is in parallel/state.py) --------------
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Ranks that split every layer (attention heads, MLP and expert widths)."
+    )
+    expert_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Ranks that split the experts of MoE layers. The group has tensor x expert ranks; "
+        "each of the expert_parallel_size tensor-parallel groups runs attention on the same batch.",
+    )
+    distributed_executor_backend: Literal["auto", "uni", "ray"] = Field(
+        "auto",
+        description="auto: in-process for one rank, one Ray actor per rank otherwise; "
+        "ray: Ray actors even for one rank (e.g. to run the model on a GPU bundle of a placement group).",
+    )
+    distributed_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend of the ranks; auto: nccl on GPUs, gloo on CPUs."
+    )
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK",
+        description="Ray placement group strategy of the ranks' bundles when the engine creates the group; "
+        "STRICT_PACK keeps them on one node, the others allow spreading a group across nodes.",
+    )
+    cpus_per_rank: float = Field(
+        1.0,
+        gt=0,
+        description="Ray CPUs each rank's actor reserves (fractional allowed); CPU ranks use "
+        "that many torch threads (at least one).",
+    )
+    placement_timeout_s: float = Field(
+        60.0, gt=0, description="How long to wait for the ranks' resources before failing start-up."
+    )
+    step_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="A step (or a collective) of the rank group taking longer than this fails the engine "
+        "instead of hanging.",
+    )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the worker group: tensor_parallel_size x expert_parallel_size."""
+        return self.tensor_parallel_size * self.expert_parallel_size
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """Whether speculative decoding drafts with a model, which runs where the engine's driver runs."""
+        return self.speculative_config is not None and self.speculative_config.method == "draft_model"
+
+    @property
+    def uses_core_process(self) -> bool:
+        """Whether AsyncLLM runs this engine in a process of its own."""
+        one_rank_here = self.distributed_executor_backend != "ray" and self.world_size == 1
+        return self.engine_core == "process" or (self.engine_core == "auto" and one_rank_here)
+
+    @model_validator(mode="after")
+    def _flash_varlen_pages(self) -> "EngineConfig":
+        if self.attention_backend != "flash_varlen":
+            return self
+        if self.device == "cpu":
+            raise ValueError("attention_backend: flash_varlen is a CUDA kernel; use 'torch' or 'auto' on CPU")
+        if self.block_size is not None and self.block_size % 256:
+            raise ValueError(
+                f"block_size: attention_backend flash_varlen reads KV pages of a multiple of 256 tokens "
+                f"(FlashAttention-2's paged kernel), got {self.block_size}; use 256"
+            )
+        if self.dtype == "float32":
+            raise ValueError("dtype: attention_backend flash_varlen runs in bfloat16 or float16, not float32")
+        return self
+
+    @model_validator(mode="after")
+    def _one_rank_in_process(self) -> "EngineConfig":
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend: 'uni' runs one rank in-process, but tensor_parallel_size x "
+                f"expert_parallel_size is {self.world_size}; use 'auto' or 'ray'"
+            )
+        ray_ranks = self.world_size > 1 or self.distributed_executor_backend == "ray"
+        if self.engine_core == "process" and ray_ranks:
+            raise ValueError(
+                "engine_core: 'process' runs the model in the engine core process, which needs the "
+                "in-process executor (one rank, distributed_executor_backend 'auto' or 'uni'); "
+                "use 'thread' or 'auto'"
+            )
+        return self

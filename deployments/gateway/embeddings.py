@@ -1,0 +1,88 @@
+"""`/v1/embeddings`, computed in the gateway (MiniLM, from `raylane.router.embeddings`), so no pool is
+needed."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import ctypes
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from raylane.config import EmbeddingsConfig
+from raylane.deployments.protocol.errors import invalid, model_not_found
+from raylane.deployments.protocol.openai_schemas import Embedding, EmbeddingRequest, EmbeddingResponse, Usage
+
+_executor: ThreadPoolExecutor | None = None
+EMBEDDINGS_NICE = 10
+TRIM_AFTER_TEXTS = 32
+try:
+    _libc = ctypes.CDLL("libc.so.6")
+except OSError:  # not glibc: nothing to trim
+    _libc = None
+
+
+async def create_embeddings(cfg: EmbeddingsConfig, req: EmbeddingRequest) -> EmbeddingResponse:
+    """The response to an authenticated, rate-checked and validated request; its `usage` counts the
+    tokens MiniLM read."""
+
+    if not cfg.enabled or req.model != cfg.model_id:
+        raise model_not_found(req.model)
+    texts = [req.input] if isinstance(req.input, str) else req.input
+    if not texts:
+        raise invalid("input", "input must not be empty.")
+    if not all(isinstance(t, str) for t in texts):
+        raise invalid("input", f"{cfg.model_id} takes text; token arrays are not supported.")
+    if len(texts) > cfg.max_inputs:
+        raise invalid("input", f"At most {cfg.max_inputs} inputs per request, got {len(texts)}.")
+    if not all(texts):
+        raise invalid("input", "input strings must not be empty.")
+    vectors, counts = await asyncio.get_running_loop().run_in_executor(_embedder(), _embed, texts)
+    if req.dimensions is not None and req.dimensions != vectors.shape[1]:
+        raise invalid("dimensions", f"{cfg.model_id} returns {vectors.shape[1]} dimensions only.")
+    data = [
+        Embedding(index=i, embedding=_encode_vector(v, req.encoding_format)) for i, v in enumerate(vectors)
+    ]
+    usage = Usage(prompt_tokens=sum(counts), total_tokens=sum(counts))
+    return EmbeddingResponse(data=data, model=cfg.model_id, usage=usage)
+
+
+def _embedder() -> ThreadPoolExecutor:
+    """One thread of its own: MiniLM runs one call at a time anyway (raylane.router.embeddings' lock), and
+    a flood of embeddings waiting for it must not hold the threads of the shared default executor,
+    which runs the classifier of every other `auto` request. The thread runs below the gateway's
+    priority: a client's 2,048 texts take seconds of a core, which the requests of every other key
+    passing through this gateway need first."""
+    global _executor
+    if _executor is None:
+        _executor = ThreadPoolExecutor(
+            1, thread_name_prefix="raylane-embeddings", initializer=_lower_priority
+        )
+    return _executor
+
+
+def _embed(texts: list[str]) -> tuple:
+    """(vectors, token counts). After a call of a batch or more, the heap's free memory goes back to
+    the system: glibc keeps what MiniLM's activations took (over 150 MB after a few calls of 256 long
+    texts, in a gateway that otherwise holds tens of MB) unless asked."""
+    from raylane.router import embeddings
+
+    result = embeddings.embed(texts), embeddings.count_tokens(texts)
+    if len(texts) >= TRIM_AFTER_TEXTS and _libc is not None:
+        _libc.malloc_trim(0)
+    return result
+
+
+def _lower_priority() -> None:
+    """Nice this thread (on Linux a thread is a task of its own) by `EMBEDDINGS_NICE`."""
+    with contextlib.suppress(AttributeError, OSError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + EMBEDDINGS_NICE)
+
+
+def _encode_vector(vector, encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode()
+    return vector.tolist()

@@ -1,0 +1,460 @@
+"""The OpenAI-compatible ingress (FastAPI on Ray Serve): the endpoints.
+
+Per request: authenticate the API key (-> tier; 401), read the body's bytes (413 past the limit),
+charge the tier's rate limit (429) one request and the prompt's estimate from the byte count before
+any work whose cost the client controls, parse and validate the body (any mistake -> 400 naming the
+parameter), charge max_tokens x n (429), resolve `model` with the router (a pool's name or served
+id, or `auto` / `raylane-auto` -> the semantic classifier's route; 404), then hand it to the
+`Dispatcher` (deployments/gateway/dispatch.py): a slot in the first pool of the route's fallback chain that
+can serve, the pool's first item, fallback before it and relay after it. The charge is settled with
+the tokens used when the response ends; a request refused on the way is settled with none.
+Responses carry `x-raylane-route`, `-pool`, `-tier` and, where it happened, `x-raylane-fallback`.
+When the client goes away, the pool call is cancelled; the pool's generator aborts the engine
+request. `PoolHealth` (deployments/gateway/pool_health.py) checks each pool in the background; embeddings
+are computed here (deployments/gateway/embeddings.py). While the app drains before shutdown
+(deployments/gateway/drain.py), new requests get 503 with Retry-After and /health says "draining"; the
+requests in flight finish.
+"""
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+from raylane.config import ClusterConfig
+from raylane.deployments.gateway.affinity import ConversationAffinity
+from raylane.deployments.gateway.dispatch import Dispatcher, error_response
+from raylane.deployments.gateway.drain import RETRY_AFTER_S, DrainWatcher
+from raylane.deployments.gateway.embeddings import create_embeddings
+from raylane.deployments.gateway.openapi import publish, route_docs
+from raylane.deployments.gateway.pool_health import PoolHealth, serve_liveness
+from raylane.deployments.gateway.request_body import (
+    off_the_loop_if_large,
+    parse_body,
+    parse_bytes,
+    parse_json_object,
+    read_body,
+    validate_body,
+)
+from raylane.deployments.gateway.request_log import RequestLogMiddleware, router_timed
+from raylane.deployments.gateway.response_store import response_store
+from raylane.deployments.gateway.responses_api import StoredResponses
+from raylane.deployments.gateway.routing import build_router
+from raylane.deployments.metrics.gateway import render_cluster_metrics
+from raylane.deployments.protocol.errors import (
+    OpenAIError,
+    client_error,
+    internal_error,
+    invalid,
+    model_not_found,
+    unavailable,
+)
+from raylane.deployments.protocol.openai_schemas import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    ModelCard,
+    ModelList,
+)
+from raylane.deployments.protocol.responses_request import (
+    check_supported,
+    echo,
+    new_response_id,
+    responses_error,
+    to_chat_request,
+    to_messages,
+)
+from raylane.deployments.protocol.responses_schemas import (
+    ResponseDeleted,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStreamEvent,
+)
+from raylane.deployments.protocol.sampling import chat_params, completion_params, grammar_param
+from raylane.deployments.protocol.tokenization_schemas import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    tokenize_request_model,
+)
+from raylane.engine.grammar_compiler import BoundedWorker, GrammarBusy, GrammarTimeout, start_forkserver
+from raylane.router import Principal, RouterError
+from raylane.router.errors import OverloadedError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+# What the gateway's grammar-check workers import (deployments/protocol/sampling.py builds the grammars).
+GRAMMAR_PRELOAD = ("raylane.deployments.protocol.sampling",)
+# The prompt's token estimate charged before the body is parsed: JSON text runs about four bytes a
+# token in the tokenizers raylane serves; settled with the real count when the request ends.
+PROMPT_BYTES_PER_TOKEN = 4
+
+app = FastAPI(title="raylane", description="OpenAI-compatible API of a raylane cluster", docs_url=None)
+app.add_middleware(RequestLogMiddleware)  # x-request-id, one JSON log line and HTTP metrics per request
+publish(app)  # the request and response bodies in /openapi.json (the handlers parse bodies themselves)
+
+
+class Draining(OpenAIError):
+    def __init__(self) -> None:
+        super().__init__(
+            "The server is shutting down and takes no new requests; retry shortly.",
+            status=503,
+            code="draining",
+        )
+
+
+def _refund(request: Request) -> None:
+    """A request answered with an error before it was served gives back its up-front token charge.
+    (A 4xx from a pool keeps its prompt's part: `Dispatcher`. One found here cost the gateway a
+    bounded parse of what the body's bytes were charged for; its request still counts.)"""
+    charge = getattr(request.state, "rate_charge", None)
+    if charge is not None:
+        charge.settle(0)
+
+
+@app.exception_handler(OpenAIError)
+async def _openai_error(request: Request, error: OpenAIError) -> JSONResponse:
+    _refund(request)
+    headers = {"retry-after": str(RETRY_AFTER_S)} if isinstance(error, Draining) else None
+    return error_response(error, headers)
+
+
+@app.exception_handler(RouterError)
+async def _router_error(request: Request, error: RouterError) -> JSONResponse:
+    _refund(request)
+    return JSONResponse(error.to_openai(), status_code=error.status, headers=error.headers())
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
+    return error_response(OpenAIError(str(error.detail), status=error.status_code, code=code))
+
+
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+    _refund(request)
+    logger.exception("unhandled error in the gateway")
+    return error_response(internal_error())
+
+
+# Module helpers come before the class: `serve.ingress` serializes the app's routes when the class is
+# decorated, and names defined after that point would be missing in the replica.
+
+
+@serve.ingress(app)
+class Gateway:
+    def __init__(self, config: ClusterConfig | dict[str, Any], pools: dict[str, Any]):
+        self.config = ClusterConfig.model_validate(config)
+        # The handles were made where the app was built; calls go by gRPC when this replica's Serve
+        # runs with it (cluster/serve_env.py), as the proxy's calls to this replica do.
+        grpc = os.environ.get("RAY_SERVE_USE_GRPC_BY_DEFAULT") == "1"
+        self.pools = {name: handle.options(_by_reference=not grpc) for name, handle in pools.items()}
+        self.created = int(time.time())
+        import torch
+
+        torch.set_num_threads(1)  # the classifier's short inputs: a second thread spin-waits on shared cores
+        self.router = build_router(self.config)  # logs loudly when no API key is configured (open mode)
+        self.grammar_worker: BoundedWorker | None = None  # started by the first request with a grammar
+        start_forkserver(GRAMMAR_PRELOAD)  # what its workers import, now rather than for that request
+        context = serve.get_replica_context()
+        self.drain = DrainWatcher(context.app_name, context.replica_id.unique_id)
+        period_s, alive = self.config.gateway.pool_health_period_s, serve_liveness(context.app_name)
+        self.pool_health = PoolHealth(self.pools, self.router, period_s, alive)
+        self.dispatcher = Dispatcher(self.config, self.router, self.pools, self.pool_health, self.drain)
+        self._stored_responses: StoredResponses | None = None
+        self.affinity = ConversationAffinity(self.config.router.affinity)
+
+    # -- endpoints --------------------------------------------------------------------------------
+
+    @app.post(
+        "/v1/chat/completions", **route_docs(ChatCompletion, ChatCompletionRequest, ChatCompletionChunk)
+    )
+    async def chat_completions(self, request: Request) -> Response:
+        principal = self.authenticate(request)
+        body = await self.read_charged(request, principal)  # the rate limit, before any parsing
+        req = await parse_bytes(body, ChatCompletionRequest)
+        self.charge_output(request, principal, req.max_output_tokens, req.n)
+        params, tools = await self.prepare(chat_params, req, principal)
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        resolution, conversation = await router_timed(
+            self.affinity.resolve(self.router, principal, req.model, messages, req.prompt_cache_key)
+        )
+        request_id = uuid.uuid4().hex
+        response = await self.dispatcher.dispatch(
+            principal,
+            resolution,
+            req.n,
+            bool(req.stream),
+            request_id,
+            lambda pool, priority, resume: pool.chat.remote(req, params, tools, request_id, priority, resume),
+            request.state.rate_charge,
+        )
+        self.affinity.served(conversation, resolution, response)  # later turns of `auto` stay on its pool
+        return response
+
+    @app.post("/v1/completions", **route_docs(Completion, CompletionRequest, Completion))
+    async def completions(self, request: Request) -> Response:
+        principal = self.authenticate(request)
+        body = await self.read_charged(request, principal)  # the rate limit, before any parsing
+        req = await parse_bytes(body, CompletionRequest)
+        self.check_batch(len(req.prompts()))
+        self.charge_output(request, principal, req.max_output_tokens, req.n * len(req.prompts()))
+        params = await self.prepare(completion_params, req, principal)
+        texts = [p for p in req.prompts() if isinstance(p, str)]
+        resolution = await router_timed(
+            self.router.resolve_async(req.model, [{"role": "user", "content": t} for t in texts])
+        )
+        request_id = uuid.uuid4().hex
+        return await self.dispatcher.dispatch(
+            principal,
+            resolution,
+            req.n,
+            bool(req.stream),
+            request_id,
+            lambda pool, priority, resume: pool.completions.remote(req, params, request_id, priority, resume),
+            request.state.rate_charge,
+        )
+
+    @app.post("/v1/embeddings", **route_docs(EmbeddingResponse, EmbeddingRequest))
+    async def embeddings(self, request: Request) -> Response:
+        principal = self.authenticate(request)  # MiniLM runs here: keyed like every other endpoint
+        body = await self.read_charged(request, principal)  # its tokens estimated, before parsing
+        req = await parse_bytes(body, EmbeddingRequest)
+        response = await create_embeddings(self.config.embeddings, req)
+        # MiniLM's tokenizer reads every byte though the model reads only 256 tokens of an input:
+        # settled with its count, never below the body's estimate.
+        estimate = len(body) // PROMPT_BYTES_PER_TOKEN
+        request.state.rate_charge.settle(max(response.usage.prompt_tokens, estimate))
+        return Response(response.to_json(), media_type="application/json")
+
+    @app.post("/tokenize", **route_docs(TokenizeResponse, (TokenizeChatRequest, TokenizeCompletionRequest)))
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: `prompt`, or `messages` through the chat template, counted by the pool
+        that `model` names (its tokenizer, its `max_model_len`)."""
+        principal = self.authenticate(request)
+        # The pool's template and tokenizer work grows with the text: its tokens are charged first.
+        body = await self.read_charged(request, principal)
+        data = await off_the_loop_if_large(body, lambda: parse_json_object(body))
+        req = validate_body(data, tokenize_request_model(data))
+        messages = [m.model_dump(exclude_none=True) for m in getattr(req, "messages", [])]
+        return await self.call_pool(req.model, messages, lambda pool: pool.tokenize.remote(req))
+
+    @app.post("/detokenize", **route_docs(DetokenizeResponse, DetokenizeRequest))
+    async def detokenize(self, request: Request) -> Response:
+        principal = self.authenticate(request)
+        self.router.check_rate(principal)
+        req = await parse_body(request, DetokenizeRequest, self.config.gateway.max_request_body_bytes)
+        return await self.call_pool(req.model, [], lambda pool: pool.detokenize.remote(req))
+
+    @app.post("/v1/responses", **route_docs(ResponseObject, ResponsesRequest, ResponseStreamEvent))
+    async def create_response(self, request: Request) -> Response:
+        """OpenAI's Responses API, served as the chat request it maps to
+        (deployments/protocol/responses_request.py) by the same router, tiers, admission and fallback; stored
+        for `previous_response_id`."""
+        principal = self.authenticate(request)
+        body = await self.read_charged(request, principal)  # the rate limit, before any parsing
+        req = await parse_bytes(body, ResponsesRequest)
+        self.charge_output(request, principal, req.max_output_tokens, 1)
+        check_supported(req)
+        previous = req.previous_response_id
+        history = await self.stored_responses.history(previous, principal) if previous else []
+        chat_req = to_chat_request(req, history)
+        try:
+            params, plan = await self.prepare(chat_params, chat_req, principal)
+        except OpenAIError as e:
+            raise responses_error(e) from None
+        messages = [m.model_dump(exclude_none=True) for m in chat_req.messages]
+        resolution = await router_timed(self.router.resolve_async(req.model, messages))
+        request_id, echoed = uuid.uuid4().hex, echo(req, new_response_id(), previous)
+        response = await self.dispatcher.dispatch(
+            principal,
+            resolution,
+            1,
+            bool(req.stream),
+            request_id,
+            lambda pool, priority, resume: pool.responses.remote(
+                chat_req, params, plan, request_id, echoed, priority, resume
+            ),
+            request.state.rate_charge,
+        )
+        if req.store is False:
+            return response
+        return await self.stored_responses.keep(response, history + to_messages(req.input), principal)
+
+    @app.get("/v1/responses/{response_id}", **route_docs(ResponseObject))
+    async def retrieve_response(self, response_id: str, request: Request) -> Response:
+        record = await self.stored_responses.record(response_id, self.authenticate(request))
+        return JSONResponse(record["response"])
+
+    @app.delete("/v1/responses/{response_id}", **route_docs(ResponseDeleted))
+    async def delete_response(self, response_id: str, request: Request) -> Response:
+        return await self.stored_responses.delete(response_id, self.authenticate(request))
+
+    @app.get("/v1/models", **route_docs(ModelList))
+    async def list_models(self, request: Request) -> Response:
+        self.authenticate(request)
+        return Response(ModelList(data=self.model_cards()).to_json(), media_type="application/json")
+
+    @app.get("/v1/models/{model_id:path}", **route_docs(ModelCard))
+    async def retrieve_model(self, model_id: str, request: Request) -> Response:
+        self.authenticate(request)
+        card = next((c for c in self.model_cards() if c.id == model_id), None)
+        if card is None:
+            raise model_not_found(model_id)
+        return Response(card.to_json(), media_type="application/json")
+
+    async def check_health(self) -> None:
+        """Serve's periodic replica check, on the replica's event loop: it starts the drain watcher of
+        a replica that has served nothing yet, so a drain need not wait its whole timeout for it."""
+        self.drain.start()
+
+    @app.get("/health")
+    async def health(self, request: Request) -> JSONResponse:
+        """200 while every pool is up (`ok`, or `busy`: alive, too loaded to answer its probe in
+        time), 503 naming the pools that are down. From the health loop's last check, so a call costs
+        no round trip to the pools. With API keys configured, a caller without a valid key learns
+        only the status; with one, each pool's load and this gateway replica's `router` view too."""
+        self.pool_health.watch()
+        self.drain.start()
+        pools = await self.pool_health.current()
+        healthy = all(p["status"] != "unavailable" for p in pools.values())
+        status = "draining" if self.drain.draining else "ok" if healthy else "degraded"
+        code = 200 if status == "ok" else 503
+        if not self.may_see_internals(request):
+            return JSONResponse({"status": status}, code)
+        body = {
+            "status": status,
+            "pools": pools,
+            "router": self.pool_health.router_state(),
+            "gateway": {"in_flight": self.drain.in_flight, "asyncio_tasks": len(asyncio.all_tasks())},
+        }
+        return JSONResponse(body, code)
+
+    @app.get("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus text format, aggregated over every gateway and pool replica of the app (behind an
+        API key when `gateway.metrics_require_key`)."""
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        if self.config.gateway.metrics_require_key:
+            self.router.authenticate(request.headers)
+        return Response(await render_cluster_metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    async def read_charged(self, request: Request, principal: Principal) -> bytes:
+        """The body's bytes (413 past the limit), charged to the key's rate limit before anything
+        reads them: one request and the prompt's estimate, `PROMPT_BYTES_PER_TOKEN` bytes a token
+        (429 when over it). A key already over its limit costs this replica a look-up: its body is
+        not read."""
+        self.router.precheck_rate(principal)  # a key over its limits: 429 without reading its body
+        body = await read_body(request, self.config.gateway.max_request_body_bytes)
+        request.state.rate_charge = self.router.check_rate(principal, len(body) // PROMPT_BYTES_PER_TOKEN)
+        return body
+
+    def charge_output(self, request: Request, principal: Principal, max_tokens: int | None, n: int) -> None:
+        """Charge what the request may generate, `max_tokens` x `n` (`router.max_tokens_estimate` a
+        choice without max_tokens), up front; 429 when the key's tokens/min cannot cover it."""
+        per_choice = max_tokens if max_tokens is not None else self.config.router.max_tokens_estimate
+        self.router.charge_more(principal, request.state.rate_charge, per_choice * n)
+
+    def check_batch(self, prompts: int) -> None:
+        """Each prompt of a batch is its own engine request (n of them with `n`): bounded, so that one
+        HTTP request cannot queue thousands of sequences."""
+        limit = self.config.gateway.max_batch_prompts
+        if prompts > limit:
+            raise invalid("prompt", f"A batch may hold at most {limit} prompts, got {prompts}.")
+
+    async def prepare(self, fn, req, principal: Principal):
+        """`fn(req)`: the request's sampling parameters. With a grammar (a schema, regex, EBNF, tool
+        definitions) the checks and builds that can take exponential time run in a bounded worker
+        process: past `GRAMMAR_TIMEOUT_S` the request gets a 400 naming the field and this event
+        loop never waited on it; when the worker's queue, or the key's share of it, is full, a 429
+        with Retry-After at once. Without one, here (microseconds)."""
+        param = grammar_param(req)
+        if param is None:
+            return fn(req)
+        if self.grammar_worker is None:
+            self.grammar_worker = BoundedWorker(preload=GRAMMAR_PRELOAD)
+        try:
+            return await self.grammar_worker.run(fn, req, key=principal.key_id)
+        except GrammarBusy as e:
+            raise OverloadedError(
+                f"Too many requests with a grammar ('{param}') are waiting to be checked: {e}. "
+                "Retry later, or send fewer at once.",
+                retry_after=e.retry_after,
+                reason="grammar_queue",
+            ) from None
+        except GrammarTimeout as e:
+            raise invalid(
+                param,
+                f"Invalid '{param}': too complex: checking it was stopped, {e}. Simplify the schema, "
+                "regex or grammar (nesting, alternatives, repetition counts).",
+                code="grammar_too_complex",
+            ) from None
+
+    async def call_pool(self, model: str, messages: list[dict], call) -> Response:
+        """A request that generates nothing (tokenize): one call to the pool `model` resolves to,
+        whose JSON answer is the response; a client mistake the pool found is its 4xx."""
+        resolution = await router_timed(self.router.resolve_async(model, messages))
+        pool = resolution.pools[0]
+        try:
+            body = await call(self.pools[pool])
+        except Exception as e:
+            if (error := client_error(e)) is not None:
+                raise error from None
+            logger.warning("pool %s failed a %s request: %s", pool, "tokenize", e)
+            raise unavailable(f"The pool {pool} could not answer: {type(e).__name__}.") from None
+        return Response(body, media_type="application/json", headers={"x-raylane-pool": pool})
+
+    @property
+    def stored_responses(self) -> StoredResponses:
+        """The app's response store, found (or created) on first use: apps that never serve
+        /v1/responses start no actor."""
+        if self._stored_responses is None:
+            gateway = self.config.gateway
+            app_name = serve.get_replica_context().app_name
+            store = response_store(
+                app_name,
+                gateway.responses_max_stored,
+                gateway.responses_ttl_s,
+                gateway.responses_max_stored_per_key,
+            )
+            self._stored_responses = StoredResponses(store)
+        return self._stored_responses
+
+    def model_cards(self) -> list[ModelCard]:
+        cards = [ModelCard(id=p.model_id, created=self.created) for p in self.config.pools]
+        if self.config.embeddings.enabled:
+            cards.append(ModelCard(id=self.config.embeddings.model_id, created=self.created))
+        return cards
+
+    def check_open(self) -> None:
+        self.pool_health.watch()
+        self.drain.start()
+        if self.drain.draining:
+            raise Draining()
+
+    def may_see_internals(self, request: Request) -> bool:
+        """Open mode, or a valid API key: /health's details (pool names, loads) are for callers."""
+        try:
+            self.router.authenticate(request.headers)
+        except RouterError:
+            return False
+        return True
+
+    def authenticate(self, request: Request) -> Principal:
+        self.check_open()
+        return self.router.authenticate(request.headers, request.client.host if request.client else None)

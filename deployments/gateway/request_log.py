@@ -1,0 +1,302 @@
+"""One structured JSON log line per request, written when the response's last byte is sent.
+
+`RequestLogMiddleware` (pure ASGI, so streams pass through untouched) opens a `RequestRecord` per
+HTTP request and makes it `current_record()` for the handler and the stream it returns. It fills
+the record from what the response says (status, `x-raylane-route` / `-pool` / `-tier` /
+`-fallback` headers, a 429's error code); the pool's `RequestSummary`, relayed by the gateway with
+`note_summary`, adds tokens, TTFT and finish reason. At completion the record goes to the gateway's
+metrics and to the log.
+
+The request id is the `x-request-id` header: Ray Serve's proxy keeps the client's or makes one, and
+echoes it on the response (so the handler's own `x-request-id` header is dropped here, or the client
+would see two). The engine's id stays the gateway's own uuid, since a client's id need not be unique.
+
+A line never holds the prompt, the completion or the API key. `RAYLANE_LOG_PROMPTS=1` adds the
+request's `messages` / `prompt` (debugging only). Lines go to `RAYLANE_REQUEST_LOG` (a file path,
+`stderr`, or `off`); by default to `raylane_requests_<pid>.jsonl` in Ray Serve's log folder
+(/tmp/ray/session_latest/logs/serve/), next to the replica logs that log shippers already collect.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from raylane.deployments.metrics.gateway import gateway_metrics
+from raylane.deployments.protocol.wire import RequestSummary
+
+REQUEST_ID_HEADER = "x-request-id"
+MAX_PROMPT_BODY = 1 << 20  # with RAYLANE_LOG_PROMPTS, bodies larger than this are not logged
+
+_current: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar(
+    "raylane_request", default=None
+)
+
+
+HEADER_FIELDS = ("route", "pool", "tier", "fallback", "decision")  # x-raylane-<field> -> RequestRecord
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request_id: str
+    method: str
+    path: str
+    started: float = field(default_factory=time.monotonic)
+    endpoint: str = "other"  # the route's path template (bounded label values)
+    status: int | None = None
+    route: str | None = None
+    pool: str | None = None
+    tier: str | None = None
+    fallback: str | None = None  # x-raylane-fallback: "from;reason=why, ..."
+    decision: str | None = None  # x-raylane-decision: how `auto` chose (semantic, rule, default, sticky)
+    shed: bool = False
+    error_code: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    ttft_s: float | None = None
+    finish_reason: str | None = None
+    router_latency_s: float | None = None  # set by the gateway where it times the router
+    resumptions: list[tuple[str, str]] = field(default_factory=list)  # (pool, reason) per resumption
+    latency_s: float | None = None
+    prompt: Any = None  # only with RAYLANE_LOG_PROMPTS
+
+    def fallbacks(self) -> list[tuple[str, str, str]]:
+        """(from_pool, to_pool, reason) per move down the fallback chain: each pool left handed the
+        request to the next one left, the last to the pool that served. Leaving the last candidate
+        (every pool busy or down: a 429 or 503) is no fallback and is not listed."""
+        if not self.fallback:
+            return []
+        left = []
+        for part in self.fallback.split(","):
+            pool, _, reason = part.strip().partition(";reason=")
+            left.append((pool, reason or "unknown"))
+        served = self.pool if self.pool and self.status is not None and self.status < 400 else None
+        targets = [pool for pool, _ in left[1:]] + [served]
+        return [(p, to, reason) for (p, reason), to in zip(left, targets, strict=True) if to and to != p]
+
+    def to_json(self, include_prompt: bool = False) -> str:
+        fields = {
+            "ts": round(time.time(), 3),
+            "request_id": self.request_id,
+            "method": self.method,
+            "endpoint": self.endpoint,
+            "status": self.status,
+            "route": self.route,
+            "pool": self.pool,
+            "tier": self.tier,
+            "fallback": self.fallback,
+            "decision": self.decision,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "ttft_s": _round(self.ttft_s),
+            "latency_s": _round(self.latency_s),
+            "finish_reason": self.finish_reason,
+        }
+        if self.error_code:
+            fields["error_code"] = self.error_code
+        if self.resumptions:
+            fields["resumptions"] = [{"pool": pool, "reason": reason} for pool, reason in self.resumptions]
+        if include_prompt and self.prompt is not None:
+            fields["prompt"] = self.prompt
+        return json.dumps(fields, separators=(",", ":"), default=str)
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
+
+def current_record() -> RequestRecord | None:
+    """The record of the request being handled (None outside one)."""
+    return _current.get()
+
+
+def note_summary(summary: RequestSummary) -> None:
+    """Add a pool's `RequestSummary` (from its last item) to the current request's record."""
+    record = _current.get()
+    if record is None:
+        return
+    record.prompt_tokens = (record.prompt_tokens or 0) + summary.prompt_tokens
+    record.completion_tokens = (record.completion_tokens or 0) + summary.completion_tokens
+    record.cached_tokens = (record.cached_tokens or 0) + summary.cached_tokens
+    record.ttft_s = summary.ttft_s
+    record.finish_reason = summary.finish_reason
+
+
+def note_resumption(pool: str, reason: str) -> None:
+    """The current request was resumed on `pool` after its replica failed (`reason`)."""
+    record = _current.get()
+    if record is not None:
+        record.resumptions.append((pool, reason))
+
+
+def log_prompts_enabled() -> bool:
+    return os.environ.get("RAYLANE_LOG_PROMPTS", "").lower() in ("1", "true", "yes")
+
+
+# -- the sink ------------------------------------------------------------------------------------
+
+
+def default_log_path() -> str:
+    try:
+        from ray.serve._private.logging_utils import get_serve_logs_dir
+
+        folder = get_serve_logs_dir()
+    except Exception:  # not in a Ray worker
+        folder = "/tmp/ray/session_latest/logs/serve"
+    return os.path.join(folder, f"raylane_requests_{os.getpid()}.jsonl")
+
+
+def request_logger() -> logging.Logger:
+    """`raylane.requests`: message-only lines to the configured sink (set up once per process)."""
+    logger = logging.getLogger("raylane.requests")
+    if getattr(logger, "_raylane_configured", False):
+        return logger
+    target = os.environ.get("RAYLANE_REQUEST_LOG", "")
+    if target.lower() == "off":
+        handler: logging.Handler = logging.NullHandler()
+    elif target.lower() in ("stderr", "stdout"):
+        handler = logging.StreamHandler(getattr(sys, target.lower()))
+    else:
+        path = target or default_log_path()
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    logger._raylane_configured = True  # type: ignore[attr-defined]
+    return logger
+
+
+def write(record: RequestRecord) -> None:
+    request_logger().info(record.to_json(include_prompt=log_prompts_enabled()))
+
+
+# -- the middleware ------------------------------------------------------------------------------
+
+
+class RequestLogMiddleware:
+    """ASGI middleware: a `RequestRecord` per HTTP request, finished by `on_complete(record)`.
+
+    Only paths under `log_prefix` are logged and counted (not /metrics scrapes, not health probes).
+    """
+
+    def __init__(
+        self,
+        app,
+        on_complete: Callable[[RequestRecord], None] | None = None,
+        log_prefix: str | tuple[str, ...] = ("/v1/", "/tokenize", "/detokenize"),
+    ):
+        self.app = app
+        self.on_complete = on_complete or _default_complete
+        self.log_prefix = log_prefix
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not _app_path(scope).startswith(self.log_prefix):
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        given = headers.get(REQUEST_ID_HEADER)
+        record = RequestRecord(
+            request_id=given or uuid.uuid4().hex, method=scope["method"], path=scope["path"]
+        )
+        capture_prompt = log_prompts_enabled()
+        body = bytearray()
+
+        async def receive_wrapper():
+            message = await receive()
+            if capture_prompt and message["type"] == "http.request" and len(body) < MAX_PROMPT_BODY:
+                body.extend(message.get("body", b""))
+            return message
+
+        async def send_wrapper(message) -> None:
+            if message["type"] == "http.response.start":
+                message = self._on_start(record, message, echo_id=given is None)
+            elif (
+                message["type"] == "http.response.body" and record.status == 429 and record.error_code is None
+            ):
+                self._on_error_body(record, message.get("body", b""))
+            await send(message)
+
+        token = _current.set(record)
+        try:
+            await self.app(scope, receive_wrapper if capture_prompt else receive, send_wrapper)
+        except BaseException:
+            record.status = record.status or 500
+            raise
+        finally:
+            _current.reset(token)
+            record.latency_s = time.monotonic() - record.started
+            route = scope.get("route")
+            record.endpoint = getattr(route, "path", None) or "other"
+            if capture_prompt:
+                record.prompt = _prompt_of(bytes(body))
+            try:
+                self.on_complete(record)
+            except Exception:
+                logging.getLogger(__name__).exception("request log failed")
+
+    @staticmethod
+    def _on_start(record: RequestRecord, message: dict, echo_id: bool) -> dict:
+        record.status = message["status"]
+        raw = [(k, v) for k, v in message.get("headers", []) if k.lower() != REQUEST_ID_HEADER.encode()]
+        for key, value in raw:
+            name = key.decode("latin-1").lower()
+            if name.startswith("x-raylane-"):
+                attr = name.removeprefix("x-raylane-")
+                if attr in HEADER_FIELDS and getattr(record, attr) is None:
+                    setattr(record, attr, value.decode("latin-1") or None)
+        if echo_id:  # behind Serve's proxy the header arrives and the proxy echoes it
+            raw.append((REQUEST_ID_HEADER.encode(), record.request_id.encode("latin-1")))
+        return {**message, "headers": raw}
+
+    @staticmethod
+    def _on_error_body(record: RequestRecord, body: bytes) -> None:
+        try:
+            record.error_code = json.loads(body)["error"]["code"]
+        except (ValueError, KeyError, TypeError):
+            return
+        if record.error_code == "overloaded":  # the router's load shedding (rate limits are not)
+            record.shed = True
+
+
+def _app_path(scope) -> str:
+    """The path below the app's route prefix (Serve mounts an app at its `route_prefix`)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+def _prompt_of(body: bytes) -> Any:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    return data.get("messages", data.get("prompt", data.get("input")))
+
+
+def _default_complete(record: RequestRecord) -> None:
+    gateway_metrics().observe(record)
+    write(record)
+
+
+async def router_timed(awaitable):
+    """Await a router call, adding its time to the current record (`raylane_router_latency_seconds`)."""
+    started = time.monotonic()
+    try:
+        return await awaitable
+    finally:
+        record = _current.get()
+        if record is not None:
+            record.router_latency_s = (record.router_latency_s or 0.0) + time.monotonic() - started

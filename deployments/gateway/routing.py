@@ -1,0 +1,100 @@
+"""The gateway's router: a `router.Router` built from the cluster config.
+
+Which routes the gateway uses (`Router()` requires every route and fallback to name a pool):
+- a `router` section written in the config is used as it is; `ClusterConfig` has already checked
+  that it names only the cluster's pools;
+- without one, the default routes (coding, reasoning, chat) are trimmed to the cluster: a route
+  whose pool is missing is dropped, as are fallbacks to missing pools, and `default_route` moves to
+  the first route left. If no route is left, `model: "auto"` answers 404 saying to write a `router`
+  section; pools named directly still work (route `direct`).
+
+Rate limits are the cluster's, not each replica's: every gateway replica enforces its share of a
+tier's limits, `replica_tiers`: requests/min, tokens/min and the per-key concurrency cap divided by
+`gateway.num_replicas` (rounded up). Serve's proxy spreads a key's requests over the replicas, so a
+busy key gets about its tier's limit in all, with no remote call on the request path and no shared
+state to lose. The trade-off: a key whose few requests happen to land on one replica is refused
+there at 1/N of its limit while another replica still has budget for it (one replica: exact).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from raylane.config import ClusterConfig, RouteConfig, RouterConfig, TierConfig
+from raylane.router import PoolSpec, Router
+from raylane.router.errors import UnknownModelError
+from raylane.router.resolve import DIRECT_ROUTE
+
+logger = logging.getLogger(__name__)
+
+
+class _NoRoutes:
+    """Stands in for the classifier when the cluster has no route: `auto` is an unknown model."""
+
+    def classify(self, messages: list[dict]):
+        raise UnknownModelError(
+            "The model 'auto' needs semantic routes: add a `router` section to the cluster config "
+            "naming this cluster's pools.",
+            param="model",
+        )
+
+
+def pool_specs(config: ClusterConfig) -> list[PoolSpec]:
+    return [
+        PoolSpec(
+            name=p.name,
+            model_id=p.model_id,
+            max_context_len=p.engine.max_model_len,
+            max_in_flight=p.max_in_flight,
+            max_waiting=p.max_waiting,
+        )
+        for p in config.pools
+    ]
+
+
+def effective_router_config(config: ClusterConfig) -> RouterConfig | None:
+    """The routes the gateway uses (see the module docstring); None when no route fits the pools."""
+    if "router" in config.model_fields_set:
+        return config.router
+    pools = {p.name for p in config.pools}
+    routes = [
+        route.model_copy(update={"fallbacks": [f for f in route.fallbacks if f in pools]})
+        for route in config.router.routes
+        if route.pool in pools
+    ]
+    if not routes:
+        return None
+    names = [r.name for r in routes]
+    default = config.router.default_route if config.router.default_route in names else names[0]
+    return config.router.model_copy(update={"routes": routes, "default_route": default})
+
+
+def replica_tiers(tiers: list[TierConfig], replicas: int) -> list[TierConfig]:
+    """Each tier with the limits one of `replicas` gateway replicas enforces (see the module doc)."""
+    per_key = ("requests_per_minute", "tokens_per_minute", "max_concurrent_per_key")
+    return [
+        tier.model_copy(
+            update={
+                f: math.ceil(getattr(tier, f) / replicas) for f in per_key if getattr(tier, f) is not None
+            }
+        )
+        for tier in tiers
+    ]
+
+
+def build_router(config: ClusterConfig) -> Router:
+    """Loads the semantic classifier (seconds) unless no route fits the pools."""
+    tiers = replica_tiers(config.tiers, config.gateway.num_replicas)
+    routes = effective_router_config(config)
+    specs = pool_specs(config)
+    if routes is None:
+        logger.warning("no route fits the pools %s: `auto` is disabled", [p.name for p in specs])
+        direct = RouterConfig(
+            routes=[RouteConfig(name=DIRECT_ROUTE, pool=specs[0].name)],
+            default_route=DIRECT_ROUTE,
+            dataset=None,
+        )
+        return Router(direct, tiers, config.api_keys, specs, classifier=_NoRoutes())
+    logger.info("routes: %s", {r.name: [r.pool, *r.fallbacks] for r in routes.routes})
+    return Router(routes, tiers, config.api_keys, specs)

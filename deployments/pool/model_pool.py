@@ -1,0 +1,190 @@
+"""A model pool replica: one `AsyncLLM` serving OpenAI chat and completions to the gateway.
+
+`raylane.deployments.app` wraps this class with `serve.deployment` and the pool's options: a placement
+group with one bundle per rank, so at tensor-parallel size > 1 the engine's Ray executor starts its
+rank actors inside the replica's own bundles (as Ray Serve LLM does); at size 1 the engine runs in
+this process. The class itself does not import Serve, so it runs (and is tested) without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+
+from raylane.config import EngineConfig, PoolConfig
+from raylane.deployments.metrics.pool import MeteredLLM, PoolMetrics, engine_stats
+from raylane.deployments.metrics.reporter import MetricsReporter
+from raylane.deployments.pool.serving_chat import OpenAIServingChat
+from raylane.deployments.pool.serving_completion import OpenAIServingCompletion
+from raylane.deployments.pool.serving_responses import OpenAIServingResponses
+from raylane.deployments.pool.serving_tokenization import OpenAIServingTokenization
+from raylane.deployments.pool.tokenize_offload import tokenize_off_loop
+from raylane.deployments.protocol.openai_schemas import ChatCompletionRequest, CompletionRequest
+from raylane.deployments.protocol.sampling import ToolPlan
+from raylane.deployments.protocol.tokenization_schemas import DetokenizeRequest, TokenizeRequest
+from raylane.deployments.protocol.wire import PoolItem, ResumeState
+from raylane.engine import AsyncLLM, SamplingParams
+from raylane.engine.grammar_compiler import GrammarCompileService, start_forkserver, tokenizer_info_json
+
+logger = logging.getLogger(__name__)
+HEALTH_PROBE_TIMEOUT_S = 10.0
+
+
+class ModelPool:
+    def __init__(
+        self,
+        pool: PoolConfig | dict,
+        prepare_engine_config: Callable[[PoolConfig], EngineConfig] = PoolConfig.engine_config,
+    ):
+        """`prepare_engine_config` finds the pool's checkpoint on this replica's node (the app builder
+        passes `raylane.models.sources.prepare_engine_config`, which also writes a demo checkpoint a
+        fresh node lacks); the default takes the pool's `model` as a path."""
+        started = time.time()
+        self.pool = PoolConfig.model_validate(pool)
+        config = prepare_engine_config(self.pool)
+        logger.info("pool %s: loading %s", self.pool.name, config.model)
+        self.llm = AsyncLLM(config)
+        engine_ready = time.time()
+        self.metrics = PoolMetrics(self.pool.name, self.pool.model_id)
+        self.reporter = MetricsReporter(self.metrics, self._gauges)
+        metered = MeteredLLM(self.llm, self.metrics)
+        # A client's grammar compiles in a worker process, bounded in time, not on the engine loop.
+        self.grammar = GrammarCompileService(
+            lambda: self.llm.run_in_engine(tokenizer_info_json), self.pool.grammar_compile_timeout_s
+        )
+        start_forkserver()  # its worker's imports, now rather than for the first grammar
+        args = (metered, self.pool.model_id, self.llm.max_model_len, self.grammar)
+        self.chat_serving = OpenAIServingChat(*args)
+        self.completion_serving = OpenAIServingCompletion(*args)
+        sanitize = self.pool.sanitize_control_tokens
+        self.tokenization = OpenAIServingTokenization(self.llm.tokenizer, *args[1:3], sanitize)
+        self.responses_serving = OpenAIServingResponses(self.chat_serving, self.pool.reasoning_parser)
+        self.chat_serving.reasoning_parser = self.pool.reasoning_parser
+        self.chat_serving.sanitize_control_tokens = sanitize
+        # Wall-clock times (comparable across this machine's processes) for `raylane bench recovery`.
+        self.startup = {
+            "pid": os.getpid(),
+            "init": started,
+            "engine_ready": engine_ready,
+            "ready": time.time(),
+        }
+        logger.info(
+            "pool %s: replica ready in %.1fs (engine %.1fs)",
+            self.pool.name, self.startup["ready"] - started, engine_ready - started,
+        )  # fmt: skip
+
+    async def chat(
+        self,
+        request: ChatCompletionRequest,
+        params: SamplingParams,
+        plan: ToolPlan,
+        request_id: str,
+        priority: int = 0,
+        resume: ResumeState | None = None,
+    ) -> AsyncIterator[PoolItem]:
+        """`priority` is the caller's tier's (lower is served first); the engine schedules by it.
+        The response's last item is a `FinalItem` with the request's `RequestSummary` (tokens, TTFT,
+        finish reason) for the request log (deployments/protocol/wire.py). `resume`: continue a stream that a
+        failed replica began (deployments/gateway/resumption.py)."""
+        items = self.chat_serving.chat(request, params, plan, request_id, priority, resume)
+        async for item in self._forward(items):
+            yield item
+
+    async def completions(
+        self,
+        request: CompletionRequest,
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        resume: ResumeState | None = None,
+    ) -> AsyncIterator[PoolItem]:
+        items = self.completion_serving.completion(request, params, request_id, priority, resume)
+        async for item in self._forward(items):
+            yield item
+
+    async def responses(
+        self,
+        request: ChatCompletionRequest,
+        params: SamplingParams,
+        plan: ToolPlan,
+        request_id: str,
+        echo: dict,
+        priority: int = 0,
+        resume: ResumeState | None = None,
+    ) -> AsyncIterator[PoolItem]:
+        """/v1/responses: the chat request the gateway made of it, answered as a Responses object or
+        its events; `echo` holds the request's fields the response repeats. `resume`: as `chat`'s."""
+        items = self.responses_serving.create(request, params, plan, request_id, echo, priority, resume)
+        async for item in self._forward(items):
+            yield item
+
+    async def tokenize(self, request: TokenizeRequest) -> str:
+        """vLLM's /tokenize with this pool's tokenizer and chat template: the response's JSON; a
+        client mistake raises its `OpenAIError` (the gateway unwraps it)."""
+        return await tokenize_off_loop(lambda: self.tokenization.tokenize(request), request)
+
+    async def detokenize(self, request: DetokenizeRequest) -> str:
+        return self.tokenization.detokenize(request)
+
+    async def _forward(self, items: AsyncIterator[PoolItem]) -> AsyncIterator[PoolItem]:
+        self.reporter.start()
+        async with aclosing(items):  # leaving early aborts the engine request at once
+            async for item in items:
+                yield item
+
+    async def _gauges(self) -> tuple[dict, dict]:
+        """Engine state for the metrics reporter (the counters stay as they were if the engine died)."""
+        try:
+            self.metrics.set_engine_stats(await self.llm.run_in_engine(engine_stats))
+        except Exception:
+            return {}, {}
+        return self.metrics.gauge_families(), self.metrics.gauge_values(self.reporter.replica)
+
+    async def stats(self) -> dict:
+        """Load of this replica (for the router's admission control, /health and tests)."""
+
+        self.reporter.start()
+        stats = await self.llm.run_in_engine(engine_stats)
+        return {"pool": self.pool.name, "model": self.pool.model_id, **stats}
+
+    async def startup_times(self) -> dict:
+        """When this replica's constructor began, its engine was ready and the constructor ended
+        (`time.time()`), with its pid: the phases of a replica's start (`raylane bench recovery`)."""
+        return self.startup
+
+    async def record_routing_stats(self) -> dict:
+        """Serve calls this every `routing.stats_period_s`; the pool's request router
+        (deployments/gateway/request_router.py) reads it as the replica's `routing_stats`."""
+        stats = await self.llm.run_in_engine(engine_stats)
+        return {
+            "kv_cache_usage": stats["kv_cache_usage"],
+            "num_requests_waiting": stats["num_requests_waiting"],
+        }
+
+    async def record_autoscaling_stats(self) -> dict:
+        """Serve's autoscaler collects this from every replica (deployments/pool/autoscaling.py)."""
+        return await self.record_routing_stats()
+
+    async def check_health(self) -> None:
+        """Serve calls this periodically; raising marks the replica unhealthy and replaces it."""
+        check = getattr(self.llm, "check_health", None)
+        if check is not None:
+            result = check()
+            if inspect.isawaitable(result):
+                await result
+            return
+        # A dead engine thread never answers: the probe times out.
+        await asyncio.wait_for(self.llm.run_in_engine(lambda engine: None), HEALTH_PROBE_TIMEOUT_S)
+
+    def __del__(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            llm.shutdown()
+        grammar = getattr(self, "grammar", None)
+        if grammar is not None:
+            grammar.close()
