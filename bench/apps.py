@@ -64,6 +64,7 @@ class LocalServe:
         import ray
         from ray import serve
         from ray.serve.context import _get_global_client
+
         from raylane.cluster.serve_env import running_ingress, serve_env
 
         if why := self.ingress_problem(self.ingress):
@@ -95,6 +96,7 @@ class LocalServe:
         """Why a LocalServe cannot serve behind `ingress` here, or None: the ingress is fixed when Ray
         starts, so HAProxy needs a Ray this object starts itself."""
         import ray
+
         from raylane.cluster.serve_env import haproxy_problem
 
         if ingress == "proxy":
@@ -132,6 +134,7 @@ class LocalServe:
     def _deploy_pending(self) -> None:
         from ray import serve
         from ray.serve.api import RunTarget
+
         from raylane.deployments.app import build_app
 
         configs, self._pending = self._pending, {}

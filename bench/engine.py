@@ -188,6 +188,7 @@ def measure_step_overhead(llm, args: argparse.Namespace) -> dict[str, Any]:
     """Alternate one engine decode step with a bare forward that replays exactly the batch the step
     ran (same tokens, positions and block tables; metadata and tensors built outside the timer)."""
     import torch
+
     from raylane.engine import SamplingParams
     from raylane.engine.sampling_params import RequestOutputKind
     from raylane.models.attention import build_attention_metadata
@@ -330,10 +331,11 @@ def print_report(result: dict[str, Any], args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from raylane.engine import LLM
-    from raylane.parallel import onednn
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
+
+    from raylane.engine import LLM
+    from raylane.parallel import onednn
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -175,8 +175,9 @@ def gpu_info() -> dict[str, Any]:
 
 
 def prompts(path: str, n: int) -> list[list[int]]:
-    from raylane.models.gguf import checkpoint_dir
     from transformers import AutoTokenizer
+
+    from raylane.models.gguf import checkpoint_dir
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir(path))
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "2 + 2 ="]
@@ -367,6 +368,7 @@ def attention_kernel(device: str, dtype, machine: dict[str, Any]) -> dict[str, A
     """flash_varlen against the torch backend on one mixed batch, and both backends' time for the
     attention of a decode step at batch 64 x 4096 context (one layer, 32 query / 8 KV heads of 128)."""
     import torch
+
     from raylane.models.attention import build_attention_metadata, paged_attention
     from raylane.models.paged_kernel import PAGE_MULTIPLE, select_attention_backend
 
@@ -417,6 +419,7 @@ def attention_kernel(device: str, dtype, machine: dict[str, Any]) -> dict[str, A
 def decode_attention_ms(device: str, dtype, batch: int = 64, context: int = 4096) -> dict[str, float]:
     """One layer's decode attention (32/8 heads of 128) on each backend, in ms."""
     import torch
+
     from raylane.models.attention import build_attention_metadata, paged_attention
 
     heads, kv_heads, dim, block = 32, 8, 128, 256

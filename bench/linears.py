@@ -46,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
+
     from raylane.parallel import onednn
 
     if args.threads:
@@ -104,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
 def int4_sides(in_features: int, out_features: int, copies: int, g) -> dict[str, Any]:
     """For each side, a function of x (float32) that runs one linear of this shape on every copy."""
     import torch
+
     from raylane.parallel import onednn
     from raylane.parallel.int4 import Int4Weight, int4_linear
     from raylane.parallel.quantization import int8_linear, quantize_int8
@@ -125,6 +127,7 @@ def int4_sides(in_features: int, out_features: int, copies: int, g) -> dict[str,
 
 def run_int4(args: argparse.Namespace) -> int:
     import torch
+
     from raylane.parallel import onednn
     from raylane.parallel.int4 import DENSE_MIN_TOKENS, kernel_available
 

@@ -94,6 +94,7 @@ class InProcessEngine:
 
     def __init__(self, pool: PoolConfig, torch_threads: int):
         import torch
+
         from raylane.deployments.pool.serving_chat import OpenAIServingChat
         from raylane.engine import AsyncLLM
 

@@ -117,6 +117,7 @@ def make_batches(vocab_size: int, args: argparse.Namespace) -> tuple[list, list,
 
 def measure(model: str, layout: Layout, batches: tuple[list, list, int], args) -> dict:
     import torch
+
     from raylane.config import EngineConfig
     from raylane.engine.executor import UniProcExecutor
     from raylane.engine.executor.ray_distributed import RayDistributedExecutor
@@ -275,8 +276,9 @@ def write_plot(path: Path, result: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import ray
-    from raylane.models.demo import LLAMA, QWEN3_MOE, create_demo_models
     from transformers import AutoConfig
+
+    from raylane.models.demo import LLAMA, QWEN3_MOE, create_demo_models
 
     demo = create_demo_models(args.demo_dir) if not (args.dense_model and args.moe_model) else {}
     models = {

@@ -417,6 +417,7 @@ def print_weights(rows: list[dict], load: float, threads: int, args) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
+
     from raylane.models.packaged import packaged_model_path
 
     path = str(packaged_model_path(MODEL))

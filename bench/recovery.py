@@ -67,6 +67,7 @@ def kill_and_time(app: str, url: str, pool: str) -> dict[str, float]:
     """Kill the pool's replica; seconds from the kill to each phase of its replacement."""
     import psutil
     from ray import serve
+
     from raylane.deployments.gateway.pool_health import pool_deployment_name
 
     handle = serve.get_deployment_handle(pool_deployment_name(pool), app_name=app)
@@ -99,6 +100,7 @@ def _new_startup(handle, old_pid: int) -> dict | None:
 
 def running(app: str, pool: str) -> int:
     from ray import serve
+
     from raylane.deployments.gateway.pool_health import pool_deployment_name
 
     status = serve.status().applications[app].deployments[pool_deployment_name(pool)]

@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_classifier(args: argparse.Namespace) -> dict[str, Any]:
     import torch
+
     from raylane.config import RouterConfig
     from raylane.router.classifier import SemanticClassifier
     from raylane.router.dataset import EVAL_PATH, TRAIN_PATH, read_labelled
@@ -212,9 +213,10 @@ class Routed:
 
 def routing_prompts(num: int, seed: int, tokens: int = 200) -> list[str]:
     """`num` new ~`tokens`-token prompts (MiniLM tokens) built from the labelled routing prompts."""
+    from tokenizers import Tokenizer
+
     from raylane.router.dataset import EVAL_PATH, TRAIN_PATH, read_labelled
     from raylane.router.embeddings import model_path
-    from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(f"{model_path()}/tokenizer.json")  # the classifier's word pieces
     tokenizer.no_truncation()  # the file cuts at the model's window: a count could never reach `tokens`

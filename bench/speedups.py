@@ -63,6 +63,7 @@ def windowed_demo_model(demo_dir: Path | None, window: int, work_dir: Path) -> P
 
 def make_workloads(model: Path, args: argparse.Namespace) -> dict[str, list[list[int]]]:
     import torch
+
     from raylane.engine import LLM, SamplingParams
 
     n = max(args.batch_sizes)

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from raylane.cluster.serve_env import SERVE_ENV
 
 HTTP_PORT_NAME, METRICS_PORT, DASHBOARD_PORT, GCS_PORT, CLIENT_PORT = "serve", 8080, 8265, 6379, 10001

@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
+
     from raylane.config import ClusterConfig, ConfigError, RouterConfig
     from raylane.router.classifier import SemanticClassifier
 

@@ -36,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_config(args: argparse.Namespace):
     from pydantic import ValidationError
+
     from raylane.config import ClusterConfig, ConfigError, HttpConfig, default_config, format_errors
 
     config = ClusterConfig.from_yaml(args.config) if args.config else default_config()
@@ -92,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
     import ray
     from ray import serve
+
     from raylane.cluster.local_head import LocalHead
     from raylane.cluster.serve_env import serve_env
     from raylane.deployments.app import APP_NAME, build_app
@@ -161,6 +163,7 @@ def redeploy_in_place(config) -> int | None:
     import ray
     from ray import serve
     from ray.serve.context import _get_global_client
+
     from raylane.cluster.serve_env import running_ingress
     from raylane.deployments.app import APP_NAME, build_app
 

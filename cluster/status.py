@@ -89,6 +89,7 @@ def collect(app_name: str = "raylane") -> tuple[list[PoolRow], dict]:
 
 def _snapshot(app_name: str) -> dict | None:
     import ray
+
     from raylane.deployments.metrics.aggregator import get_aggregator
 
     try:

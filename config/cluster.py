@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
+
 from raylane.config.base import StrictModel
 from raylane.config.errors import ConfigError, format_errors
 from raylane.config.pools import PoolConfig

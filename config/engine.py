@@ -5,6 +5,7 @@ import os
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
+
 from raylane.config.base import StrictModel
 
 

@@ -6,6 +6,7 @@ import os
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
+
 from raylane.config.base import StrictModel
 from raylane.config.engine import EngineConfig
 from raylane.config.model_names import DEMO_MODELS, DEMO_PREFIX, PACKAGED_MODELS

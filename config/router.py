@@ -12,6 +12,7 @@ from typing import Annotated
 
 import re2
 from pydantic import AfterValidator, Field, SecretStr, field_validator, model_validator
+
 from raylane.config.base import StrictModel
 
 AUTO_MODELS = ("auto", "raylane-auto")  # model names that ask the semantic classifier to choose

@@ -16,6 +16,7 @@ import ray
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
+
 from raylane.config import ClusterConfig, PoolConfig
 from raylane.deployments.gateway.ingress import Gateway
 from raylane.deployments.gateway.pool_health import pool_deployment_name

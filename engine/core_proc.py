@@ -71,6 +71,7 @@ def _sendable(message):
 def run_engine_core(conn: Connection) -> None:
     """The child's main: load the engine, report ready, then run the loop until `Shutdown` or EOF."""
     import torch
+
     from raylane.engine.llm_engine import LLMEngine
 
     start: StartCore = pickle.loads(conn.recv_bytes())

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
 from raylane.models.attention import AttentionMetadata, new_token_slots
 from raylane.models.paged_kernel import build_paged_args
 

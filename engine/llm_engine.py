@@ -13,6 +13,7 @@ import time
 import weakref
 
 import torch
+
 from raylane.config import EngineConfig
 from raylane.engine.block_manager import BlockManager
 from raylane.engine.errors import EngineDeadError

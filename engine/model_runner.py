@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+
 from raylane.config import EngineConfig
 from raylane.engine.cuda_graph import DecodeGraphs, capture_sizes
 from raylane.engine.memory_profile import DraftReservation, KVCacheSplit, MemoryReport, kv_cache_split

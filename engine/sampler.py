@@ -18,6 +18,7 @@ those of the raw model distribution, before this mask, penalties and filters (vL
 from dataclasses import dataclass
 
 import torch
+
 from raylane.engine.request import Request
 from raylane.engine.sampling_params import SamplingParams
 

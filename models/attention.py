@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from raylane.models.paged_kernel import PagedKernelArgs, build_paged_args, paged_varlen_attention
 from raylane.parallel import onednn
-from torch import nn
 
 
 @dataclass(slots=True)

@@ -13,6 +13,9 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedConfig
+
 from raylane.models.attention import Attention, AttentionMetadata
 from raylane.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from raylane.parallel.layers import (
@@ -22,8 +25,6 @@ from raylane.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from torch import nn
-from transformers import PreTrainedConfig
 
 
 def head_dim_of(config: PreTrainedConfig) -> int:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from raylane.parallel.lazy_weight import LazyWeight
 
 GGUF_SUFFIX = ".gguf"

@@ -23,6 +23,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+from transformers import AutoConfig, PreTrainedConfig
+
 from raylane.models.decoder import DecoderForCausalLM
 from raylane.models.gguf import checkpoint_dir, iter_gguf, read_index
 from raylane.models.registry import get_model_class
@@ -30,10 +35,6 @@ from raylane.parallel import onednn
 from raylane.parallel.layers import default_weight_loader
 from raylane.parallel.lazy_weight import LazyWeight
 from raylane.parallel.weight_processing import WeightProcessing
-from safetensors import safe_open
-from torch import nn
-from tqdm import tqdm
-from transformers import AutoConfig, PreTrainedConfig
 
 _EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
 _FUSED_EXPERTS = {".experts.gate_up_proj": ".experts.w13", ".experts.down_proj": ".experts.w2"}

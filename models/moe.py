@@ -7,11 +7,12 @@ layers are sparse.
 """
 
 import torch
+from torch import nn
+from transformers import PreTrainedConfig
+
 from raylane.models.decoder import MLP, DecoderForCausalLM
 from raylane.parallel.layers import ReplicatedLinear
 from raylane.parallel.moe import FusedMoE, topk_softmax
-from torch import nn
-from transformers import PreTrainedConfig
 
 
 class SparseMoeBlock(nn.Module):

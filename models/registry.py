@@ -1,5 +1,7 @@
 """Which model class serves which Hugging Face architecture."""
 
+from transformers import PreTrainedConfig
+
 from raylane.models.decoder import (
     DecoderForCausalLM,
     LlamaForCausalLM,
@@ -8,7 +10,6 @@ from raylane.models.decoder import (
     Qwen3ForCausalLM,
 )
 from raylane.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
-from transformers import PreTrainedConfig
 
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -20,6 +20,8 @@ build every rank's shard in one process.
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from raylane.parallel import onednn
 from raylane.parallel.lazy_weight import LazyWeight, materialize
 from raylane.parallel.quantization import int4_fits, quantize_linear_, quantized_embedding, quantized_linear
@@ -30,7 +32,6 @@ from raylane.parallel.state import (
     tensor_model_parallel_all_reduce,
 )
 from raylane.parallel.weight_processing import WeightProcessing
-from torch import nn
 
 
 def divide(numerator: int, denominator: int) -> int:

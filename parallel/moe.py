@@ -26,11 +26,12 @@ sum per rank, which is why large EP deployments use it; `forward`'s signature wo
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from raylane.parallel import onednn
 from raylane.parallel.layers import copy_weight, divide
 from raylane.parallel.state import get_ep_rank, get_ep_size, get_tp_rank, get_tp_size, moe_all_reduce
 from raylane.parallel.weight_processing import WeightProcessing
-from torch import nn
 
 
 def topk_softmax(

@@ -21,8 +21,9 @@ layer gets which form is the layers' business.
 
 import torch
 import torch.nn.functional as F
-from raylane.parallel.int4 import GROUP_SIZE, Int4Weight, int4_embedding, int4_linear, kernel_available
 from torch import nn
+
+from raylane.parallel.int4 import GROUP_SIZE, Int4Weight, int4_embedding, int4_linear, kernel_available
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

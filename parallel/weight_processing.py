@@ -12,8 +12,9 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-from raylane.parallel.int4 import GROUP_SIZE
 from torch import nn
+
+from raylane.parallel.int4 import GROUP_SIZE
 
 QUANTIZATION_METHODS = ("int8", "int4")
 # What `quantization="int4"` does with the embedding and the LM head (tied in most small models):

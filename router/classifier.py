@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from raylane.config import BUILTIN_DATASET, FOLLOWUP_LABEL, RouterConfig
 from raylane.router.dataset import FOLLOWUPS_PATH, TRAIN_PATH, read_labelled, read_lines
 from raylane.router.encoder import SentenceEncoder

@@ -26,9 +26,10 @@ PREPROCESSING = "head-tail/6-chars-per-token/mean-pool/v1"  # change when token_
 class SentenceEncoder:
     def __init__(self, max_tokens: int = 128, quantize: bool = True, cache_size: int = 4096):
         import torch
-        from raylane.router.embeddings import model_path
         from tokenizers import Tokenizer
         from transformers import AutoModel
+
+        from raylane.router.embeddings import model_path
 
         path = model_path()
         self.max_tokens = max_tokens
@@ -48,6 +49,7 @@ class SentenceEncoder:
     def fingerprint(self) -> str:
         """Everything that decides the vectors, for caches of them kept outside this process."""
         import torch
+
         from raylane.router.embeddings import model_path
 
         return f"{model_path()}|{torch.__version__}|{self.max_tokens}|{self.quantized}|{PREPROCESSING}"

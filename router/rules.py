@@ -14,6 +14,7 @@ script (Python's `\\w`), since RE2's `\\b` knows ASCII letters only.
 from __future__ import annotations
 
 import re2
+
 from raylane.config import compile_route_regex
 
 RULE_WINDOW_CHARS = 4096  # characters read at each end of a text

@@ -51,6 +51,7 @@ def ray_cluster():
     Logical CPUs are oversubscribed on purpose: actors here are mostly idle between steps.
     """
     import ray
+
     from raylane.cluster.serve_env import serve_env
 
     with serve_env():  # the Serve settings `raylane serve` runs with

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from raylane.bench import apps
 from raylane.cluster.serve_env import free_port  # noqa: F401  (the tests' import of it)
 
@@ -29,6 +30,7 @@ class ApiServer:
     def pool_stats(self, pool: str) -> dict:
         """The pool replica's engine load (each test pool has one replica)."""
         from ray import serve
+
         from raylane.deployments.app import APP_NAME, pool_deployment_name
 
         handle = serve.get_deployment_handle(pool_deployment_name(pool), app_name=APP_NAME)
@@ -66,6 +68,7 @@ def make_cluster_config(demo_models: dict, port: int):
 @pytest.fixture(scope="session")
 def api_server(ray_cluster, demo_models):
     from ray import serve
+
     from raylane.deployments.app import APP_NAME, build_app
 
     port = free_port()
@@ -103,6 +106,7 @@ class RouterServer:
     def set_fault(self, pool: str, fault: str | None) -> None:
         """See tests/integration/faulty_pool.py."""
         from ray import serve
+
         from raylane.deployments.app import pool_deployment_name
 
         handle = serve.get_deployment_handle(pool_deployment_name(pool), app_name=ROUTER_APP)
@@ -174,6 +178,7 @@ def app_with_pools(config, pool_class):
 
     import ray
     from ray import serve
+
     from raylane.deployments.app import gateway_deployment_options, pool_deployment_options
     from raylane.deployments.gateway.ingress import Gateway
 

@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch
+
     from raylane.config import RouterConfig
     from raylane.router.classifier import SemanticClassifier
     from raylane.router.dataset import EVAL_PATH, read_labelled

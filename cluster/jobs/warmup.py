@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import yaml
+
 from raylane.cluster.jobs.common import add_endpoint_arguments, chat, load_config, serve_details
 
 

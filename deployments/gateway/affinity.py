@@ -37,6 +37,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from fastapi.responses import Response
+
 from raylane.config import AUTO_MODELS, AffinityConfig
 from raylane.router import Principal, Resolution, RouteDecision, Router
 

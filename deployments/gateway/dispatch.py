@@ -20,6 +20,7 @@ import logging
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
 from raylane.config import ClusterConfig
 from raylane.deployments.gateway.drain import DrainWatcher
 from raylane.deployments.gateway.pool_failures import (

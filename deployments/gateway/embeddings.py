@@ -22,6 +22,17 @@ try:
     _libc = ctypes.CDLL("libc.so.6")
 except OSError:  # not glibc: nothing to trim
     _libc = None
+M_MMAP_THRESHOLD = -3  # mallopt(3)
+MMAP_THRESHOLD_BYTES = 256 * 1024
+
+
+def return_large_buffers() -> None:
+    """Blocks of 256 KiB and more (request bodies, MiniLM's activations) get their own mapping,
+    given back to the system when freed. glibc's default raises that threshold to the largest block
+    freed so far (up to 32 MiB), after which such blocks come from the heap, where a flood of 700 KB
+    bodies left the gateway tens of MB larger than before it."""
+    if _libc is not None:
+        _libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
 
 
 async def create_embeddings(cfg: EmbeddingsConfig, req: EmbeddingRequest) -> EmbeddingResponse:

@@ -26,11 +26,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from raylane.config import ClusterConfig
 from raylane.deployments.gateway.affinity import ConversationAffinity
 from raylane.deployments.gateway.dispatch import Dispatcher, error_response
 from raylane.deployments.gateway.drain import RETRY_AFTER_S, DrainWatcher
-from raylane.deployments.gateway.embeddings import create_embeddings
+from raylane.deployments.gateway.embeddings import create_embeddings, return_large_buffers
 from raylane.deployments.gateway.openapi import publish, route_docs
 from raylane.deployments.gateway.pool_health import PoolHealth, serve_liveness
 from raylane.deployments.gateway.request_body import (
@@ -91,7 +93,6 @@ from raylane.deployments.protocol.tokenization_schemas import (
 from raylane.engine.grammar_compiler import BoundedWorker, GrammarBusy, GrammarTimeout, start_forkserver
 from raylane.router import Principal, RouterError
 from raylane.router.errors import OverloadedError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 # What the gateway's grammar-check workers import (deployments/protocol/sampling.py builds the grammars).
@@ -165,6 +166,7 @@ class Gateway:
         import torch
 
         torch.set_num_threads(1)  # the classifier's short inputs: a second thread spin-waits on shared cores
+        return_large_buffers()
         self.router = build_router(self.config)  # logs loudly when no API key is configured (open mode)
         self.grammar_worker: BoundedWorker | None = None  # started by the first request with a grammar
         start_forkserver(GRAMMAR_PRELOAD)  # what its workers import, now rather than for that request

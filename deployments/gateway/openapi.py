@@ -14,6 +14,7 @@ from typing import Any, Literal
 from fastapi import FastAPI
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
+
 from raylane.deployments.protocol.openai_schemas import (
     ChatCompletion,
     ChatCompletionChunk,

@@ -16,6 +16,9 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 
+from starlette.responses import StreamingResponse
+from starlette.types import Message, Send
+
 from raylane.deployments.gateway.pool_failures import pool_failure
 from raylane.deployments.gateway.request_log import note_summary
 from raylane.deployments.gateway.resumption import Resumer
@@ -30,8 +33,6 @@ from raylane.deployments.protocol.wire import (
 )
 from raylane.engine import EngineDeadError
 from raylane.router import Slot
-from starlette.responses import StreamingResponse
-from starlette.types import Message, Send
 
 logger = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

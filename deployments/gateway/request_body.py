@@ -26,8 +26,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from raylane.deployments.protocol.errors import OpenAIError, from_validation_error, invalid
 from starlette.requests import Request
+
+from raylane.deployments.protocol.errors import OpenAIError, from_validation_error, invalid
 
 MAX_JSON_DEPTH = 64  # real tool schemas nest a dozen levels; json.loads itself gives up near 1000
 INLINE_BODY_BYTES = 64 * 1024  # larger bodies are parsed and validated off the event loop

@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
+
 from raylane.deployments.protocol.errors import OpenAIError
 from raylane.deployments.protocol.responses_request import to_messages
 from raylane.deployments.protocol.responses_schemas import InputItem, ResponseDeleted

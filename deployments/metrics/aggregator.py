@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
+
 from raylane.deployments.metrics.metric_set import Key
 
 STALE_AFTER_S = 30.0  # a replica silent this long is gone: its gauges are dropped

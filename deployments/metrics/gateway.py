@@ -6,6 +6,7 @@ import asyncio
 import logging
 
 from prometheus_client import Counter, Histogram
+
 from raylane.deployments.metrics.aggregator import get_aggregator
 from raylane.deployments.metrics.metric_set import MetricSet
 from raylane.deployments.metrics.reporter import MetricsReporter

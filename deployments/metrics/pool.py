@@ -15,6 +15,7 @@ from contextlib import aclosing
 from typing import Any
 
 from prometheus_client import Counter, Histogram
+
 from raylane.deployments.metrics.metric_set import Key, MetricSet, sample_key
 from raylane.deployments.protocol.wire import RequestSummary
 from raylane.engine import EngineDeadError, RequestOutput, RequestOutputKind

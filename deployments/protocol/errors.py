@@ -17,6 +17,7 @@ import math
 from typing import Any
 
 from pydantic import ValidationError
+
 from raylane.deployments.protocol.openai_schemas import MESSAGE_ROLES
 
 

@@ -14,6 +14,7 @@ import uuid
 from typing import Any
 
 from pydantic import ValidationError
+
 from raylane.deployments.protocol.errors import OpenAIError, from_validation_error, invalid
 from raylane.deployments.protocol.openai_schemas import ChatCompletionRequest
 from raylane.deployments.protocol.responses_schemas import (

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
+
 from raylane.deployments.protocol.openai_schemas import (
     MAX_MESSAGES,
     NAME_PATTERN,

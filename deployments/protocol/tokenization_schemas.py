@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
+
 from raylane.deployments.protocol.openai_schemas import (
     MAX_MESSAGES,
     ChatMessage,

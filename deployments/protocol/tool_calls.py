@@ -51,13 +51,14 @@ def tool_call_grammar(tools: list[dict], only: str | None = None, parallel: bool
     `tools` are OpenAI function definitions ({"name", "parameters"}). Raises ValueError for a
     parameters schema that xgrammar cannot compile."""
     import xgrammar as xgr
-    from raylane.engine.structured_output import tighten_json_strings
     from xgrammar.structural_tag import (
         JSONSchemaFormat,
         StructuralTag,
         TagFormat,
         TagsWithSeparatorFormat,
     )
+
+    from raylane.engine.structured_output import tighten_json_strings
 
     chosen = [t for t in tools if only is None or t["name"] == only]
     tags = [

@@ -3,6 +3,7 @@
 from abc import ABC, abstractmethod
 
 import torch
+
 from raylane.engine.model_runner import ModelInput
 
 

@@ -9,6 +9,7 @@ never be placed fails at once with a message naming the missing resource instead
 
 import ray
 from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group
+
 from raylane.engine.errors import InsufficientResourcesError
 
 # A driver that runs a draft model (speculative decoding beside tensor-parallel ranks) takes this

@@ -11,6 +11,7 @@ import time
 from datetime import timedelta
 
 import torch
+
 from raylane.config import EngineConfig
 from raylane.engine.model_runner import ModelInput, ModelRunner
 from raylane.engine.spec_decode.draft_model import draft_reservation_on
@@ -40,6 +41,7 @@ class RankWorker:
     def start(self, init_method: str, backend: str) -> dict:
         """Join the process groups and load this rank's shard; returns what the driver agrees on."""
         import ray
+
         from raylane.parallel import state
 
         if backend == "nccl":

@@ -20,6 +20,8 @@ import ray
 import torch
 from ray.dag import InputNode, MultiOutputNode
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from transformers import AutoConfig
+
 from raylane.config import EngineConfig
 from raylane.engine.errors import EngineDeadError, InsufficientResourcesError
 from raylane.engine.executor.abstract import Executor
@@ -27,7 +29,6 @@ from raylane.engine.executor.placement import acquire, rank_bundle, rank_gpus, u
 from raylane.engine.executor.rank_worker import RankWorker
 from raylane.engine.model_runner import ModelInput
 from raylane.models.gguf import checkpoint_dir
-from transformers import AutoConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
 """One rank in this process: the `ModelRunner` itself, no Ray."""
 
 import torch
+
 from raylane.config import EngineConfig
 from raylane.engine.executor.abstract import Executor
 from raylane.engine.model_runner import ModelInput, ModelRunner

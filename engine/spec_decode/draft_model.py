@@ -12,6 +12,7 @@ filtered distribution (greedy: argmax), which is recorded as q for the rejection
 """
 
 import torch
+
 from raylane.config import EngineConfig
 from raylane.engine.block_manager import BlockManager
 from raylane.engine.memory_profile import DraftReservation

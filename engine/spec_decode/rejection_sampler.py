@@ -18,6 +18,7 @@ speculation stays exactly equivalent to decoding one token at a time.
 """
 
 import torch
+
 from raylane.engine.request import Request
 from raylane.engine.sampler import _draw, _filter, mask_min_tokens, min_tokens_blocked
 

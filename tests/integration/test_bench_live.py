@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+
 from raylane.bench.datasets import TokenCounter, random_requests
 from raylane.cluster.cli import main
 from raylane.models.sources import model_path
@@ -169,9 +170,9 @@ def test_bench_router_compares_auto_with_a_named_model(api_server, capsys, tmp_p
 
 def test_bench_overhead_runs_the_same_work_on_both_sides(api_server):
     from ray import serve
+
     from raylane.bench.overhead import run_overhead
     from raylane.bench.serve_floor import floor_app
-
     from tests.live_servers import wait_healthy
 
     pool = next(p for p in api_server.config.pools if p.name == "chat")

@@ -10,6 +10,7 @@ import gc
 import weakref
 
 import pytest
+
 from raylane.engine import LLM, AsyncLLM, EngineDeadError, SamplingParams
 
 CPUS_PER_RANK = 0.25  # the session cluster is shared with Serve tests: keep every actor fractional

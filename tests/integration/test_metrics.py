@@ -330,8 +330,8 @@ def test_the_aggregator_outlives_the_placement_group_of_the_replica_that_made_it
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    from raylane.deployments.metrics.aggregator import get_aggregator
 
+    from raylane.deployments.metrics.aggregator import get_aggregator
     from tests.live_servers import wait_until
 
     app = "aggregator-placement"

@@ -18,6 +18,7 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
+
 from raylane.deployments.protocol.tool_calls import ToolCallStreamParser, parse_tool_calls
 
 HELLO = [{"role": "user", "content": "Write one sentence about the sea."}]

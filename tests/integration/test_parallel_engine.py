@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from raylane.engine import LLM, AsyncLLM, EngineConfig, EngineDeadError, SamplingParams
 from raylane.engine.errors import InsufficientResourcesError
 from raylane.engine.executor import UniProcExecutor
@@ -23,7 +24,6 @@ from raylane.engine.executor.placement import check_cluster_fits
 from raylane.engine.executor.ray_distributed import RayDistributedExecutor
 from raylane.engine.llm_engine import LLMEngine
 from raylane.engine.model_runner import ModelInput
-
 from tests.hf_models import make_checkpoint
 from tests.unit.test_engine_vs_hf import NEW_TOKENS, hf_greedy, prompts
 

@@ -198,9 +198,9 @@ def make_thinking_checkpoint(path: Path) -> Path:
     """A tiny random Llama with the shipped tokenizer plus `<think>`/`</think>` as tokens, and the demo
     chat template with the assistant's turn opened by `<think>\\n` (DeepSeek-R1's way)."""
     import torch
-    from raylane.models.demo import ASSETS, load_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from raylane.models.demo import ASSETS, load_tokenizer
     from tests.hf_models import TINY_CONFIG
 
     tokenizer = load_tokenizer()

@@ -71,6 +71,7 @@ def conversations() -> list[list[dict]]:
 @pytest.fixture(scope="module")
 def server(api_server, demo_models):
     from ray import serve
+
     from raylane.config import ClusterConfig
     from raylane.deployments.app import build_app
 

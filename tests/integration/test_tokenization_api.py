@@ -3,6 +3,7 @@ pool's chat endpoint charges, and text survives the round trip."""
 
 import httpx2
 import pytest
+
 from raylane.models.demo import MAX_POSITIONS
 
 MESSAGES = [

@@ -39,9 +39,9 @@ def deployed(api_server, name: str, config: dict):
     /name; yields its base URL (…/name) once /health answers 200; deletes the app afterwards. Unless
     the config says otherwise: a small gateway, no embeddings, one route `chat` to the first pool."""
     from ray import serve
+
     from raylane.config import ClusterConfig
     from raylane.deployments.app import build_app
-
     from tests.live_servers import wait_healthy
 
     port = int(api_server.url.rsplit(":", 1)[1])

@@ -9,6 +9,7 @@ import json
 import sys
 
 from ray import serve
+
 from raylane.cluster.k8s import GATEWAY_RESOURCE, pool_resource
 from raylane.config import ClusterConfig
 from raylane.deployments.app import APP_NAME, gateway_deployment_options, pool_deployment_options

@@ -34,7 +34,6 @@ HI = [{"role": "user", "content": "hi"}]
 
 def app_config(demo_models, port: int):
     from raylane.config import ClusterConfig
-
     from tests.reliability.conftest import llama_pool
 
     tier = {"max_queue_depth": 16, "max_queue_wait_s": 60}
@@ -81,6 +80,7 @@ def bearer(key: str) -> dict[str, str]:
 
 def priorities_seen(user: str) -> list[int]:
     from ray import serve
+
     from raylane.deployments.app import pool_deployment_name
 
     handle = serve.get_deployment_handle(pool_deployment_name("chat"), app_name=APP)

@@ -25,6 +25,7 @@ def app(api_server, demo_models):
 
 def test_drain_turns_new_requests_away_waits_for_streams_up_to_its_timeout(app, report):
     import ray
+
     from raylane.deployments.gateway.drain import NAMESPACE, coordinator_name, drain_app
 
     client = openai.OpenAI(base_url=f"{app}/v1", api_key="x", max_retries=0, timeout=300)

@@ -4,9 +4,9 @@ Ray client or the metrics port. (The manifests as `kubectl kustomize` builds the
 here, so what KubeRay creates from them is read off the fields that control it.)"""
 
 import pytest
+
 from raylane.cluster import k8s
 from raylane.config import ClusterConfig
-
 from tests.unit.test_k8s_render import KUSTOMIZE_DIRS, REPO, build
 
 RAY_PORTS = {k8s.GCS_PORT, k8s.DASHBOARD_PORT, k8s.CLIENT_PORT, k8s.METRICS_PORT, k8s.AGENT_PORT}

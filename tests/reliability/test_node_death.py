@@ -22,9 +22,9 @@ from pathlib import Path
 
 import httpx2
 import pytest
+
 from raylane.cluster.k8s import GATEWAY_RESOURCE, pool_resource
 from raylane.cluster.serve_env import SERVE_ENV
-
 from tests.live_servers import free_port, stop_processes_mentioning, wait_healthy, wait_until
 from tests.reliability.conftest import llama_pool
 

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture(scope="module")
 def app(api_server, demo_models):
     import ray
+
     from raylane.deployments.gateway.response_store import NAMESPACE, delete_response_store, store_name
 
     config = {

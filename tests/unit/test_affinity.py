@@ -3,6 +3,7 @@ stand-in that sends each turn where its words point (the real classifier has its
 a conversation's later turns keep the pool its first turn was served by."""
 
 from fastapi.responses import Response
+
 from raylane.config import AffinityConfig, RouteConfig, RouterConfig, default_tiers
 from raylane.config.router import ApiKeysConfig
 from raylane.deployments.gateway.affinity import ConversationAffinity, conversation_key

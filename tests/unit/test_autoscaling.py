@@ -7,6 +7,7 @@ from ray.serve._private.autoscaling_state import _resolve_policy_callable
 from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
 from raylane.config import PoolConfig
 from raylane.deployments.app import pool_deployment_options
 

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from raylane.bench import compare, llama_server
 from raylane.bench.client import RequestOptions, chat_stream_args
 from raylane.bench.datasets import BenchRequest

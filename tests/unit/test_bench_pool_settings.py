@@ -2,6 +2,7 @@
 "max |logprob diff|" mean when a quantized setting is compared with float32."""
 
 import pytest
+
 from raylane.bench.pool_settings import agreement, cut_at_eos, first_divergence
 
 EOS = frozenset({2})

@@ -3,6 +3,7 @@ number, and rewriting the docs touches only the marked section (the live run is 
 tests/integration/test_bench_live.py)."""
 
 import pytest
+
 from raylane.bench.report import ReportError, replace_marked
 from raylane.bench.report_markdown import full_markdown, summary_markdown
 

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+
 from raylane.bench import datasets
 from raylane.bench.client import (
     Endpoint,

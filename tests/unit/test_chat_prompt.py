@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 
 import pytest
+
 from raylane.config import PoolConfig
 from raylane.deployments.pool.chat_prompt import chat_prompt_ids
 from raylane.deployments.pool.serving_chat import OpenAIServingChat

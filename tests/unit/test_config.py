@@ -5,6 +5,7 @@ import argparse
 import textwrap
 
 import pytest
+
 from raylane.config import (
     DEFAULT_CONFIG_PATH,
     ClusterConfig,
@@ -204,6 +205,7 @@ def test_autoscaling_between_min_and_max():
 
 def test_build_app_binds_a_gateway_over_every_pool():
     from ray.serve import Application
+
     from raylane.deployments.app import build_app
 
     assert isinstance(build_app(default_config()), Application)
@@ -217,7 +219,6 @@ def test_serve_refuses_haproxy_ingress_when_a_port_set_for_it_is_taken(tmp_path,
     import socket
 
     from raylane.cluster.cli import main
-
     from tests.live_servers import free_port
 
     pools = "pools: [{name: chat, model: demo:raylane-llama-tiny}]\n"

@@ -9,13 +9,13 @@ the graph pool's memory, speed) is left to `bench/gpu_check.sh`.
 """
 
 import pytest
-import raylane.models.paged_kernel as paged_kernel
 import torch
+
+import raylane.models.paged_kernel as paged_kernel
 from raylane.config import EngineConfig
 from raylane.engine import LLM, SamplingParams
 from raylane.engine.cuda_graph import capture_sizes, graph_size, pad_decode_batch
 from raylane.engine.model_runner import ModelInput, ModelRunner
-
 from tests.hf_models import load_hf_model, make_checkpoint
 from tests.unit.test_paged_attention import varlen_attn_reference
 

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from raylane.models.demo import DEMO_MODELS, create_demo_models
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from raylane.models.demo import DEMO_MODELS, create_demo_models
 
 TOOLS = [
     {

@@ -1,8 +1,8 @@
 from __future__ import annotations
 
 import pytest
-from raylane.engine.detokenizer import IncrementalDetokenizer
 
+from raylane.engine.detokenizer import IncrementalDetokenizer
 from tests.tokenizers_for_tests import make_tokenizer
 
 TEXTS = [

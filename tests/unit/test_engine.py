@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from raylane.config import EngineConfig
 from raylane.engine import LLM, AsyncLLM, SamplingParams
 from raylane.engine.llm_engine import LLMEngine

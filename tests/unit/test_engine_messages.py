@@ -5,6 +5,7 @@ import asyncio
 import pickle
 
 import pytest
+
 from raylane.engine import EngineDeadError
 from raylane.engine.core_messages import (
     Aborted,

@@ -8,12 +8,12 @@ would differ from the reference at the first token.
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
 from raylane.engine import LLM, SamplingParams
 from raylane.engine.request import Request
 from raylane.engine.sampler import mask_min_tokens
 from raylane.engine.spec_decode import RejectionSampler
-from transformers import AutoModelForCausalLM, GenerationConfig
-
 from tests.hf_models import VOCAB_SIZE, make_checkpoint
 from tests.unit.test_spec_decode import NGRAM, repeating_prompts, windowed  # noqa: F401 (a fixture)
 

@@ -7,6 +7,7 @@ import json
 
 import jsonschema
 import pytest
+
 from raylane.engine import LLM, RequestOutputKind, Resumption, SamplingParams
 
 PROMPT = "tell me a story"

@@ -4,6 +4,7 @@ import json
 
 import jsonschema
 import pytest
+
 from raylane.engine import LLM, AsyncLLM, RequestOutputKind, SamplingParams
 
 SCHEMA = {

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from raylane.engine import LLM, SamplingParams
 from transformers import AutoModelForCausalLM
 
+from raylane.engine import LLM, SamplingParams
 from tests.hf_models import FAMILIES
 
 NEW_TOKENS = 8

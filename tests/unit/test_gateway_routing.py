@@ -52,6 +52,7 @@ def test_rate_limits_are_the_clusters_split_over_the_gateway_replicas():
     """A tier's limits hold for the cluster: with three gateway replicas each refuses a key past a
     third of them (rounded up), so the key gets its limit in all, not three times it."""
     import pytest
+
     from raylane.deployments.gateway.routing import build_router
     from raylane.router.errors import RateLimitError
 

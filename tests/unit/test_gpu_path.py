@@ -5,6 +5,8 @@ a GPU machine."""
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+
 from raylane.config import EngineConfig, PoolConfig
 from raylane.engine.memory_profile import DraftReservation, GiB, MemoryReport, kv_cache_split
 from raylane.engine.model_runner import ModelRunner
@@ -13,8 +15,6 @@ from raylane.engine.sampler import Sampler
 from raylane.engine.sampling_params import SamplingParams
 from raylane.engine.spec_decode.draft_model import draft_reservation
 from raylane.parallel import state
-from torch.overrides import TorchFunctionMode
-
 from tests.hf_models import make_checkpoint
 
 BLOCK = 2 * GiB // 1000  # a made-up KV block of ~2 MiB

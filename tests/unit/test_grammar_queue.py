@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import pytest
+
 from raylane.engine.grammar_compiler import BoundedWorker, GrammarBusy
 
 SLOW_S = 2.0  # each queued call holds the worker this long: the refusals below come microseconds in

@@ -12,6 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+
 from raylane.cluster import k8s
 from raylane.config import ClusterConfig
 

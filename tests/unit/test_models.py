@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors import safe_open
+from safetensors.torch import save_file
+
 from raylane.models import MissingWeightError, UnsupportedModelError, build_attention_metadata, load_model
 from raylane.models.decoder import MLP
 from raylane.models.moe import SparseMoeBlock
@@ -23,9 +26,6 @@ from raylane.parallel.layers import (
     VocabParallelEmbedding,
 )
 from raylane.parallel.moe import FusedMoE
-from safetensors import safe_open
-from safetensors.torch import save_file
-
 from tests.hf_models import FAMILIES, VOCAB_SIZE, load_hf_model, make_checkpoint
 
 BLOCK_SIZE, NUM_BLOCKS = 16, 64
@@ -455,8 +455,9 @@ def test_mixed_sliding_and_full_attention_layers_are_refused(tmp_path):
 def test_the_mlp_activations_are_transformers_own_and_an_unknown_one_is_named():
     """raylane's activation table (kept apart from transformers.activations for start-up time)
     computes what transformers' ACT2FN does for each name it accepts."""
-    from raylane.models.decoder import ACTIVATIONS
     from transformers.activations import ACT2FN
+
+    from raylane.models.decoder import ACTIVATIONS
 
     x = torch.randn(64, 32) * 4
     for name, fn in ACTIVATIONS.items():

@@ -4,6 +4,7 @@ is, is `raylane bench engine`'s business (bench/README.md), not a test's."""
 
 import pytest
 import torch
+
 from raylane.config import EngineConfig
 from raylane.engine import LLM, SamplingParams
 from raylane.engine.model_runner import ModelRunner
@@ -11,7 +12,6 @@ from raylane.models import load_model
 from raylane.parallel import onednn
 from raylane.parallel.layers import LinearBase, ParallelLMHead
 from raylane.parallel.moe import FusedMoE
-
 from tests.hf_models import load_hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

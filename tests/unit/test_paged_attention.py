@@ -9,16 +9,16 @@ hold to Hugging Face. What only a GPU shows (the kernel itself, speed) is `bench
 """
 
 import pytest
-import raylane.models.paged_kernel as paged_kernel
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, MistralConfig
+
+import raylane.models.paged_kernel as paged_kernel
 from raylane.config import EngineConfig
 from raylane.engine import LLM, SamplingParams
 from raylane.engine.block_manager import NULL_BLOCK
 from raylane.models.attention import build_attention_metadata, paged_attention
 from raylane.models.paged_kernel import PAGE_MULTIPLE, resolve_attention, select_attention_backend
-from transformers import AutoModelForCausalLM, MistralConfig
-
 from tests.hf_models import TINY_CONFIG
 
 BLOCK = PAGE_MULTIPLE

@@ -5,6 +5,7 @@ Ray's answers, is tests/integration/test_router_live.py's busy-pool test.)"""
 import asyncio
 
 import pytest
+
 from raylane.deployments.gateway import pool_health
 from raylane.deployments.gateway.pool_health import PoolHealth
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from raylane.config import EngineConfig
 from raylane.engine import LLM, SamplingParams
 from raylane.engine.model_runner import ModelInput, ModelRunner

@@ -3,6 +3,7 @@ loading the same file: weights, tokenizer, greedy tokens and logprobs, across th
 
 import pytest
 import torch
+
 from raylane.engine import LLM, SamplingParams
 from raylane.models.gguf import checkpoint_dir, iter_gguf, read_index
 from raylane.models.packaged import packaged_model_path

@@ -4,8 +4,8 @@ five tokens) and one that has the tags as single added tokens, as Qwen3's and De
 import copy
 
 import pytest
-from raylane.deployments.pool.reasoning_parser import ReasoningParser, reasoning_tokens, split_reasoning
 
+from raylane.deployments.pool.reasoning_parser import ReasoningParser, reasoning_tokens, split_reasoning
 from tests.tokenizers_for_tests import make_tokenizer
 
 THOUGHT = "<think>\nTwo and two: 4.\n</think>\n\nThe answer is 4."

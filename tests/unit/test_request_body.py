@@ -5,11 +5,12 @@ import json
 import threading
 
 import pytest
+from starlette.requests import Request
+
 import raylane.deployments.gateway.request_body as request_body
 from raylane.deployments.gateway.request_body import INLINE_BODY_BYTES, parse_body, unencodable_text
 from raylane.deployments.protocol.errors import OpenAIError
 from raylane.deployments.protocol.openai_schemas import ChatCompletionRequest
-from starlette.requests import Request
 
 LIMIT = 8 * 1024 * 1024
 

@@ -6,6 +6,7 @@ import json
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+
 from raylane.deployments.gateway.request_log import (
     RequestLogMiddleware,
     RequestRecord,

@@ -10,6 +10,7 @@ import uuid
 
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
+
 from raylane.config import PoolConfig
 from raylane.deployments.app import request_router_config
 from raylane.deployments.gateway.request_router import PrefixAwareRouter, block_hashes, request_text

@@ -16,6 +16,7 @@ import jsonschema
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from ray.exceptions import ActorDiedError
+
 from raylane.config import ClusterConfig
 from raylane.deployments.gateway.pool_health import PoolHealth
 from raylane.deployments.gateway.relay import relay

@@ -3,6 +3,7 @@
 import asyncio
 
 import pytest
+
 from raylane.config import TierConfig
 from raylane.router.admission import AdmissionController, PoolLoad
 from raylane.router.errors import KeyConcurrencyError, OverloadedError

@@ -4,6 +4,7 @@ import json
 from collections import Counter
 
 import pytest
+
 from raylane.config import RouterConfig
 from raylane.router.classifier import SemanticClassifier
 from raylane.router.dataset import (

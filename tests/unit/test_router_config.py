@@ -2,6 +2,7 @@
 
 import pytest
 from pydantic import ValidationError
+
 from raylane.config import ApiKeysConfig, RouteConfig, RouterConfig, TierConfig, default_tiers
 
 

@@ -3,6 +3,7 @@
 import asyncio
 
 import pytest
+
 from raylane.config import ApiKeysConfig, CircuitBreakerConfig, RouterConfig, TierConfig, default_tiers
 from raylane.router import PoolSpec, Router
 from raylane.router.classifier import RouteDecision

@@ -1,6 +1,7 @@
 """Requests/min and tokens/min per key: over the limit -> 429 with a Retry-After that works."""
 
 import pytest
+
 from raylane.config import TierConfig
 from raylane.router.errors import RateLimitError
 from raylane.router.rate_limit import RateLimiter

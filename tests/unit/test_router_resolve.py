@@ -1,6 +1,7 @@
 """`model` -> pools: a pool name, its served model id, `auto` / `raylane-auto`, or a clear 404."""
 
 import pytest
+
 from raylane.config import RouterConfig
 from raylane.router.classifier import RouteDecision
 from raylane.router.errors import UnknownModelError

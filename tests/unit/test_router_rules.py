@@ -6,6 +6,7 @@ reads all of a multi-megabyte paste, would let one request stall a gateway repli
 
 import pytest
 from pydantic import ValidationError
+
 from raylane.config import RouterConfig
 from raylane.router.rules import RULE_WINDOW_CHARS, RouteRules, rule_window
 

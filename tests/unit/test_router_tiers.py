@@ -3,6 +3,7 @@
 import logging
 
 import pytest
+
 from raylane.config import ApiKeysConfig, default_tiers
 from raylane.router.errors import AuthenticationError
 from raylane.router.tiers import ApiKeyAuthenticator

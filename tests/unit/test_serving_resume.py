@@ -8,6 +8,7 @@ import json
 
 import jsonschema
 import pytest
+
 from raylane.deployments.metrics.pool import MeteredLLM, PoolMetrics
 from raylane.deployments.pool.serving_chat import OpenAIServingChat
 from raylane.deployments.pool.serving_completion import OpenAIServingCompletion

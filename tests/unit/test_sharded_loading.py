@@ -8,11 +8,11 @@ import math
 
 import pytest
 import torch
+from safetensors import safe_open
+
 from raylane.models import load_model
 from raylane.parallel import state
 from raylane.parallel.lazy_weight import LazyWeight
-from safetensors import safe_open
-
 from tests.hf_models import load_hf_model, make_checkpoint
 
 DENSE = ["llama", "llama-tied", "qwen2", "qwen3"]

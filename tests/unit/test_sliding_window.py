@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
 from raylane.engine import LLM, SamplingParams
 from raylane.engine.block_manager import NULL_BLOCK, BlockManager
 from raylane.engine.request import Request
-from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
-
 from tests.hf_models import TINY_CONFIG
 
 WINDOW, BLOCK_SIZE, NEW_TOKENS = 8, 4, 24

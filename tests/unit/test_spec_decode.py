@@ -4,14 +4,14 @@ target distribution, and the counters add up."""
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, MistralConfig
+
 from raylane.engine import LLM, SamplingParams
 from raylane.engine.request import Request
 from raylane.engine.sampler import _filter
 from raylane.engine.spec_decode import RejectionSampler
 from raylane.engine.spec_decode.ngram import ngram_lookup
 from raylane.models.demo import LLAMA
-from transformers import AutoModelForCausalLM, MistralConfig
-
 from tests.hf_models import TINY_CONFIG, make_checkpoint
 
 NGRAM = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)

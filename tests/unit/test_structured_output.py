@@ -8,12 +8,12 @@ import time
 import jsonschema
 import pytest
 import torch
+
 from raylane.engine.structured_output import (
     GrammarMatcherState,
     StructuredOutputManager,
     StructuredOutputParams,
 )
-
 from tests.tokenizers_for_tests import make_tokenizer
 
 PAD = 24  # the model's logits are wider than the tokenizer: padded ids must never be allowed

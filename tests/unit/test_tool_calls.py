@@ -6,6 +6,7 @@ second on these inputs, the quadratic one before it took minutes (see the commit
 import json
 
 import pytest
+
 from raylane.deployments.protocol.tool_calls import ContentDelta, ToolCallStreamParser, parse_tool_calls
 
 N = 200_000  # characters of hostile output, about what a long max_tokens lets a model write
