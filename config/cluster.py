@@ -59,6 +59,13 @@ class GatewayConfig(StrictModel):
     max_batch_prompts: int = Field(
         256, ge=1, description="Most prompts in one /v1/completions request (each is an engine request)."
     )
+    grammar_check_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="CPU seconds the gateway's worker may spend checking one request's grammar (schema, "
+        "regex, EBNF, tools) before it is refused as too complex (400). A pool's compile has its own "
+        "bound, `pools[].grammar_compile_timeout_s`.",
+    )
     pool_health_period_s: float = Field(
         5.0,
         gt=0,

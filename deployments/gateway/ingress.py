@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from raylane.bounded_worker import BoundedWorker, WorkerBusy, WorkerTimeout, start_forkserver
 from raylane.config import ClusterConfig
 from raylane.deployments.gateway.affinity import ConversationAffinity
 from raylane.deployments.gateway.dispatch import Dispatcher, error_response
@@ -90,7 +91,6 @@ from raylane.deployments.protocol.tokenization_schemas import (
     TokenizeResponse,
     tokenize_request_model,
 )
-from raylane.engine.grammar_compiler import BoundedWorker, GrammarBusy, GrammarTimeout, start_forkserver
 from raylane.router import Principal, RouterError
 from raylane.router.errors import OverloadedError
 
@@ -382,24 +382,26 @@ class Gateway:
     async def prepare(self, fn, req, principal: Principal):
         """`fn(req)`: the request's sampling parameters. With a grammar (a schema, regex, EBNF, tool
         definitions) the checks and builds that can take exponential time run in a bounded worker
-        process: past `GRAMMAR_TIMEOUT_S` the request gets a 400 naming the field and this event
+        process: past `gateway.grammar_check_timeout_s` the request gets a 400 naming the field and this event
         loop never waited on it; when the worker's queue, or the key's share of it, is full, a 429
         with Retry-After at once. Without one, here (microseconds)."""
         param = grammar_param(req)
         if param is None:
             return fn(req)
         if self.grammar_worker is None:
-            self.grammar_worker = BoundedWorker(preload=GRAMMAR_PRELOAD)
+            self.grammar_worker = BoundedWorker(
+                timeout_s=self.config.gateway.grammar_check_timeout_s, preload=GRAMMAR_PRELOAD
+            )
         try:
             return await self.grammar_worker.run(fn, req, key=principal.key_id)
-        except GrammarBusy as e:
+        except WorkerBusy as e:
             raise OverloadedError(
                 f"Too many requests with a grammar ('{param}') are waiting to be checked: {e}. "
                 "Retry later, or send fewer at once.",
                 retry_after=e.retry_after,
                 reason="grammar_queue",
             ) from None
-        except GrammarTimeout as e:
+        except WorkerTimeout as e:
             raise invalid(
                 param,
                 f"Invalid '{param}': too complex: checking it was stopped, {e}. Simplify the schema, "

@@ -18,7 +18,7 @@ from raylane.deployments.protocol.errors import (
     internal_error,
     unavailable,
 )
-from raylane.engine import EngineDeadError
+from raylane.deployments.protocol.wire import EngineDeadError
 from raylane.router import FallbackReason
 
 logger = logging.getLogger(__name__)

@@ -24,6 +24,7 @@ from raylane.deployments.gateway.request_log import note_summary
 from raylane.deployments.gateway.resumption import Resumer
 from raylane.deployments.protocol.errors import OpenAIError
 from raylane.deployments.protocol.wire import (
+    EngineDeadError,
     FinalItem,
     PoolItem,
     RequestSummary,
@@ -31,7 +32,6 @@ from raylane.deployments.protocol.wire import (
     is_error_event,
     sse_error,
 )
-from raylane.engine import EngineDeadError
 from raylane.router import Slot
 
 logger = logging.getLogger(__name__)

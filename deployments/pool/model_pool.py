@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
+from raylane.bounded_worker import start_forkserver
 from raylane.config import EngineConfig, PoolConfig
 from raylane.deployments.metrics.pool import MeteredLLM, PoolMetrics, engine_stats
 from raylane.deployments.metrics.reporter import MetricsReporter
@@ -29,7 +30,7 @@ from raylane.deployments.protocol.sampling import ToolPlan
 from raylane.deployments.protocol.tokenization_schemas import DetokenizeRequest, TokenizeRequest
 from raylane.deployments.protocol.wire import PoolItem, ResumeState
 from raylane.engine import AsyncLLM, SamplingParams
-from raylane.engine.grammar_compiler import GrammarCompileService, start_forkserver, tokenizer_info_json
+from raylane.engine.grammar_compiler import COMPILE_PRELOAD, GrammarCompileService, tokenizer_info_json
 
 logger = logging.getLogger(__name__)
 HEALTH_PROBE_TIMEOUT_S = 10.0
@@ -57,7 +58,7 @@ class ModelPool:
         self.grammar = GrammarCompileService(
             lambda: self.llm.run_in_engine(tokenizer_info_json), self.pool.grammar_compile_timeout_s
         )
-        start_forkserver()  # its worker's imports, now rather than for the first grammar
+        start_forkserver(COMPILE_PRELOAD)  # its worker's imports, now rather than for the first grammar
         args = (metered, self.pool.model_id, self.llm.max_model_len, self.grammar)
         self.chat_serving = OpenAIServingChat(*args)
         self.completion_serving = OpenAIServingCompletion(*args)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
 
+from raylane.bounded_worker import WorkerBusy
 from raylane.deployments.protocol.errors import OpenAIError, from_engine_value_error, invalid, unavailable
 from raylane.deployments.protocol.openai_schemas import PromptTokensDetails, Usage
 from raylane.deployments.protocol.wire import FinalItem, RequestSummary, ResumeState, sse_error
 from raylane.engine import AsyncLLM, EngineDeadError, RequestOutput, Resumption, SamplingParams
-from raylane.engine.grammar_compiler import GrammarBusy, GrammarCompileService, GrammarTooComplex
+from raylane.engine.grammar_compiler import GrammarCompileService, GrammarTooComplex
 from raylane.engine.output_processor import resumed_text
 
 
@@ -67,7 +68,7 @@ class OpenAIServing:
             return
         try:
             await self.grammar.prepare(params.structured)
-        except GrammarBusy as e:
+        except WorkerBusy as e:
             raise OpenAIError(
                 f"Too many requests with a grammar are being compiled by this model's replica ({e}); "
                 "retry shortly.",

@@ -13,6 +13,9 @@ A stream's items other than the last are `StreamItem`s: the text with the token 
 choice, which never reach the client. With them the gateway can resume a stream whose replica died
 (deployments/gateway/resumption.py): it calls the pool again with a `ResumeState`, and the continuation
 prefills the prompt plus those tokens and sends only what comes after them.
+
+A replica whose engine died raises `EngineDeadError` through the handle: the gateway takes it from
+here, as it takes the rest of what crosses, so its modules import nothing of the engine.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 from dataclasses import dataclass, field
 
 from raylane.deployments.protocol.errors import OpenAIError
+from raylane.engine.errors import EngineDeadError as EngineDeadError  # the gateway's, from here
 
 DONE = "data: [DONE]\n\n"
 ERROR_EVENT_PREFIX = 'data: {"error"'

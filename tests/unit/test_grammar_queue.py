@@ -1,5 +1,5 @@
 """The grammar worker's queue is bounded, in all and per API key: a call that finds it full is refused
-at once (GrammarBusy -> the gateway's 429 with Retry-After), never queued silently. A real worker
+at once (WorkerBusy -> the gateway's 429 with Retry-After), never queued silently. A real worker
 process runs `time.sleep` as the slow grammar."""
 
 import asyncio
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from raylane.engine.grammar_compiler import BoundedWorker, GrammarBusy
+from raylane.bounded_worker import BoundedWorker, WorkerBusy
 
 SLOW_S = 2.0  # each queued call holds the worker this long: the refusals below come microseconds in
 
@@ -23,11 +23,11 @@ def test_one_key_cannot_fill_the_grammar_queue_and_a_full_queue_refuses_at_once(
         worker = BoundedWorker(timeout_s=60, preload=("time",), max_pending=3, max_pending_per_key=2)
         try:
             flood = [await started(worker.run(time.sleep, SLOW_S, key="A")) for _ in range(2)]
-            with pytest.raises(GrammarBusy) as excinfo:  # A's share is full; the queue is not
+            with pytest.raises(WorkerBusy) as excinfo:  # A's share is full; the queue is not
                 await worker.run(time.sleep, 0, key="A")
             assert "for this API key" in str(excinfo.value) and excinfo.value.retry_after > 0
             victim = await started(worker.run(time.sleep, 0, key="B"))  # another key still gets in
-            with pytest.raises(GrammarBusy) as excinfo:  # now the whole queue is full
+            with pytest.raises(WorkerBusy) as excinfo:  # now the whole queue is full
                 await worker.run(time.sleep, 0, key="C")
             assert "in all" in str(excinfo.value)
             await asyncio.gather(*flood, victim)
@@ -50,7 +50,7 @@ def test_a_caller_that_went_away_holds_its_place_until_the_worker_is_done_with_i
             first.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await first
-            with pytest.raises(GrammarBusy):
+            with pytest.raises(WorkerBusy):
                 await worker.run(time.sleep, 0, key="A")
             deadline = time.monotonic() + 120
             while worker.pending and time.monotonic() < deadline:
@@ -74,9 +74,7 @@ def test_a_pools_full_compile_queue_is_the_clients_429_with_retry_after():
 
     class FullQueue:
         async def prepare(self, structured) -> None:
-            raise GrammarBusy(
-                "64 grammar checks are already queued in all, the most allowed", retry_after=7.5
-            )
+            raise WorkerBusy("64 grammar checks are already queued in all, the most allowed", retry_after=7.5)
 
     serving = OpenAIServing(SimpleNamespace(tokenizer=None), "m", 128, grammar=FullQueue())
     params = SimpleNamespace(structured=object())
@@ -108,7 +106,7 @@ def test_the_bound_is_the_workers_cpu_time_and_it_runs_below_serving():
     killed. And the worker runs niced, below the serving processes."""
     import os
 
-    from raylane.engine.grammar_compiler import WALL_FACTOR, WORKER_NICE, GrammarTimeout
+    from raylane.bounded_worker import WALL_FACTOR, WORKER_NICE, WorkerTimeout
 
     async def main() -> None:
         worker = BoundedWorker(timeout_s=BOUND_S, preload=("time",))
@@ -116,9 +114,9 @@ def test_the_bound_is_the_workers_cpu_time_and_it_runs_below_serving():
             assert await worker.run(os.nice, 0) >= os.nice(0) + WORKER_NICE
             await worker.run(time.sleep, 2 * BOUND_S)  # wall-clock time, no CPU: within the bound
             assert worker.restarts == 0
-            with pytest.raises(GrammarTimeout):
+            with pytest.raises(WorkerTimeout):
                 await worker.run(time.sleep, WALL_FACTOR * BOUND_S + 1)  # past the wall-clock bound
-            with pytest.raises(GrammarTimeout):
+            with pytest.raises(WorkerTimeout):
                 await worker.run(burn, 30.0)
             assert worker.restarts == 2
             assert await worker.run(os.getpid) > 0  # a fresh worker serves the next call

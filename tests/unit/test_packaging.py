@@ -15,7 +15,7 @@ def test_pyproject_lists_every_package_under_the_raylane_root():
     """A subpackage left out of pyproject's list would be missing from a wheel (an editable install
     finds it anyway, so only a non-editable install would show it)."""
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    on_disk = {"raylane"} | {
+    on_disk = {
         ".".join([name, *init.parent.relative_to(ROOT / folder).parts])
         for folder, name in PACKAGES.items()
         if folder != "tests"
@@ -23,13 +23,13 @@ def test_pyproject_lists_every_package_under_the_raylane_root():
     }
     assert set(setuptools["packages"]) == on_disk
     top = {k: v for k, v in setuptools["package-dir"].items() if k.count(".") == 1}
-    assert top == {name: folder for folder, name in PACKAGES.items() if folder != "tests"}
+    assert top == {name: folder for folder, name in PACKAGES.items() if folder not in ("tests", "raylane")}
 
 
 def test_only_the_raylane_root_is_importable_outside_the_checkout(tmp_path):
     probe = (
         "import importlib.util as u, raylane.engine, raylane.config, raylane.cluster.cli; "
-        f"print([f for f in {sorted(PACKAGES)!r} if f != 'tests' and u.find_spec(f) is not None])"
+        f"print([f for f in {sorted(PACKAGES)!r} if f not in ('tests', 'raylane') and u.find_spec(f)])"
     )
     done = subprocess.run(
         [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60

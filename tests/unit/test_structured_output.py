@@ -323,8 +323,9 @@ def test_a_replica_starts_its_grammar_forkserver_before_any_grammar_arrives():
 
     script = """
 import os, time
-from raylane.engine.grammar_compiler import start_forkserver
-start_forkserver()
+from raylane.bounded_worker import start_forkserver
+from raylane.engine.grammar_compiler import COMPILE_PRELOAD
+start_forkserver(COMPILE_PRELOAD)
 deadline = time.monotonic() + 120
 while time.monotonic() < deadline:
     for pid in os.listdir("/proc"):
