@@ -1,15 +1,16 @@
 """Sending a request down its route's fallback chain until one pool answers.
 
-`start(handle, priority)` calls a pool with `stream=True`. The pool's first item decides the
-response (deployments/protocol/wire.py): an `OpenAIError`, a whole JSON response, or the first SSE event of a
-stream, which `relay` then passes on as it comes. A pool that fails before its first item (an error,
-a 503, an outage the health loop found, a prompt longer than its context window) hands the request
-to the next pool of the chain. A replica or engine that dies is survived (deployments/gateway/resumption.py):
-before the first item the same pool is asked again; after it the stream is resumed where it stood.
-Nothing else is retried after the first item. What the client got wrong (a
-4xx, yielded or raised by the pool) is answered at once: no fallback, no circuit-breaker count. An
-error that may be the request's own is counted against its pool only once another pool has done
-otherwise: the same failure in two pools marks a poisoned request (deployments/gateway/pool_failures.py).
+The request crosses to a pool as one `PoolRequest` (deployments/protocol/wire.py), called on the
+pool's handle with `stream=True`. The pool's first item decides the response: an `OpenAIError`, a
+whole JSON response, or the first SSE event of a stream, which `relay` then passes on as it comes.
+A pool that fails before its first item (an error, a 503, an outage the health loop found, a prompt
+longer than its context window) hands the request to the next pool of the chain. A replica or
+engine that dies is survived (deployments/gateway/resumption.py): before the first item the same
+pool is asked again; after it the stream is resumed where it stood. Nothing else is retried after
+the first item. What the client got wrong (a 4xx, yielded or raised by the pool) is answered at
+once: no fallback, no circuit-breaker count. An error that may be the request's own is counted
+against its pool only once another pool has done otherwise: the same failure in two pools marks a
+poisoned request (deployments/gateway/pool_failures.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import replace
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,7 +35,7 @@ from raylane.deployments.gateway.pool_failures import (
 from raylane.deployments.gateway.pool_health import PoolHealth, PoolOutage
 from raylane.deployments.gateway.relay import SSE_HEADERS, BoundedStreamingResponse, drain_later, relay
 from raylane.deployments.gateway.request_log import note_summary
-from raylane.deployments.gateway.resumption import Resumer, StartCall
+from raylane.deployments.gateway.resumption import Resumer
 from raylane.deployments.protocol.errors import (
     OpenAIError,
     client_error,
@@ -41,7 +43,7 @@ from raylane.deployments.protocol.errors import (
     invalid,
     unavailable,
 )
-from raylane.deployments.protocol.wire import FinalItem, PoolItem
+from raylane.deployments.protocol.wire import FinalItem, PoolItem, PoolRequest
 from raylane.router import (
     DispatchPlan,
     FallbackReason,
@@ -76,10 +78,9 @@ class Dispatcher:
         self,
         principal: Principal,
         resolution: Resolution,
+        request: PoolRequest,
         n: int,
         streaming: bool,
-        request_id: str,
-        start: StartCall,
         charge: RateCharge | None = None,
     ) -> Response:
         """Walk the fallback chain: the first pool whose first item is not a failure answers. A
@@ -91,7 +92,7 @@ class Dispatcher:
         self.drain.in_flight += 1
         streaming_response = False
         try:
-            response = await self._dispatch(principal, resolution, n, streaming, request_id, start, charge)
+            response = await self._dispatch(principal, resolution, request, n, streaming, charge)
             streaming_response = isinstance(response, StreamingResponse)
             return response
         finally:
@@ -103,10 +104,9 @@ class Dispatcher:
         self,
         principal: Principal,
         resolution: Resolution,
+        request: PoolRequest,
         n: int,
         streaming: bool,
-        request_id: str,
-        start: StartCall,
         charge: RateCharge,
     ) -> Response:
         first_pool = self.config.pool(resolution.pools[0])
@@ -116,11 +116,10 @@ class Dispatcher:
             )
         plan = self.router.plan(principal, resolution, charge=charge)
         suspects: list[tuple[Slot, PoolFailure]] = []  # failures not yet counted against their pool
-        resumer = Resumer(
-            self.config, self.pools, self.health, start, plan.priority, request_id, list(resolution.pools)
-        )
+        request = replace(request, priority=plan.priority)
+        resumer = Resumer(self.config, self.pools, self.health, request, list(resolution.pools))
         try:
-            return await self._walk(plan, principal, streaming, request_id, start, suspects, resumer)
+            return await self._walk(plan, principal, streaming, request, suspects, resumer)
         finally:
             for suspect, _ in suspects:  # no other pool failed the same way: they were the pools'
                 suspect.blame()
@@ -130,11 +129,11 @@ class Dispatcher:
         plan: DispatchPlan,
         principal: Principal,
         streaming: bool,
-        request_id: str,
-        start: StartCall,
+        request: PoolRequest,
         suspects: list[tuple[Slot, PoolFailure]],
         resumer: Resumer,
     ) -> Response:
+        request_id = request.request_id
         rejected: OpenAIError | None = None  # a pool's context-length answer, if every pool gives one
         while True:
             try:
@@ -146,7 +145,7 @@ class Dispatcher:
                     return error_response(rejected, headers)
                 logger.info("request %s (%s) not served: %s", request_id, principal.key_id, e)
                 return JSONResponse(e.to_openai(), status_code=e.status, headers=headers | e.headers())
-            call = start(self.pools[slot.pool].options(stream=True), plan.priority, None)
+            call = request.call(self.pools[slot.pool])
             first = await self.first_item(call, slot, plan)
             if isinstance(first, PoolFailure) and (again := await resumer.retry(slot.pool, first)):
                 first, call = again  # its replica died before it answered: a live one did

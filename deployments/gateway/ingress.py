@@ -91,6 +91,7 @@ from raylane.deployments.protocol.tokenization_schemas import (
     TokenizeResponse,
     tokenize_request_model,
 )
+from raylane.deployments.protocol.wire import PoolRequest
 from raylane.router import Principal, RouterError
 from raylane.router.errors import OverloadedError
 
@@ -193,15 +194,9 @@ class Gateway:
         resolution, conversation = await router_timed(
             self.affinity.resolve(self.router, principal, req.model, messages, req.prompt_cache_key)
         )
-        request_id = uuid.uuid4().hex
+        pool_request = PoolRequest("chat", req, params, uuid.uuid4().hex, tools=tools)
         response = await self.dispatcher.dispatch(
-            principal,
-            resolution,
-            req.n,
-            bool(req.stream),
-            request_id,
-            lambda pool, priority, resume: pool.chat.remote(req, params, tools, request_id, priority, resume),
-            request.state.rate_charge,
+            principal, resolution, pool_request, req.n, bool(req.stream), request.state.rate_charge
         )
         self.affinity.served(conversation, resolution, response)  # later turns of `auto` stay on its pool
         return response
@@ -218,15 +213,9 @@ class Gateway:
         resolution = await router_timed(
             self.router.resolve_async(req.model, [{"role": "user", "content": t} for t in texts])
         )
-        request_id = uuid.uuid4().hex
+        pool_request = PoolRequest("completions", req, params, uuid.uuid4().hex)
         return await self.dispatcher.dispatch(
-            principal,
-            resolution,
-            req.n,
-            bool(req.stream),
-            request_id,
-            lambda pool, priority, resume: pool.completions.remote(req, params, request_id, priority, resume),
-            request.state.rate_charge,
+            principal, resolution, pool_request, req.n, bool(req.stream), request.state.rate_charge
         )
 
     @app.post("/v1/embeddings", **route_docs(EmbeddingResponse, EmbeddingRequest))
@@ -279,17 +268,10 @@ class Gateway:
             raise responses_error(e) from None
         messages = [m.model_dump(exclude_none=True) for m in chat_req.messages]
         resolution = await router_timed(self.router.resolve_async(req.model, messages))
-        request_id, echoed = uuid.uuid4().hex, echo(req, new_response_id(), previous)
+        echoed = echo(req, new_response_id(), previous)
+        pool_request = PoolRequest("responses", chat_req, params, uuid.uuid4().hex, tools=plan, echo=echoed)
         response = await self.dispatcher.dispatch(
-            principal,
-            resolution,
-            1,
-            bool(req.stream),
-            request_id,
-            lambda pool, priority, resume: pool.responses.remote(
-                chat_req, params, plan, request_id, echoed, priority, resume
-            ),
-            request.state.rate_charge,
+            principal, resolution, pool_request, 1, bool(req.stream), request.state.rate_charge
         )
         if req.store is False:
             return response

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from raylane.config import ClusterConfig, PoolConfig
@@ -35,14 +34,12 @@ from raylane.deployments.gateway.pool_failures import (
 from raylane.deployments.gateway.pool_health import PoolHealth, PoolOutage
 from raylane.deployments.gateway.request_log import note_resumption
 from raylane.deployments.protocol.errors import OpenAIError, client_error, internal_error, unavailable
-from raylane.deployments.protocol.wire import PoolItem, ResumeState, StreamItem
+from raylane.deployments.protocol.wire import PoolItem, PoolRequest, ResumeState, StreamItem
 from raylane.router import FallbackReason
 
 logger = logging.getLogger(__name__)
 
 UP_WAIT_PERIODS, UP_WAIT_MIN_S = 4, 2.0  # how long a resumption waits for a pool marked down
-# (pool handle, priority, resume state or None) -> the pool's streaming call
-StartCall = Callable[[Any, int, ResumeState | None], Any]
 
 
 def same_checkpoint(a: PoolConfig, b: PoolConfig) -> bool:
@@ -63,13 +60,11 @@ class Resumer:
         config: ClusterConfig,
         pools: dict[str, Any],
         health: PoolHealth,
-        start: StartCall,
-        priority: int,
-        request_id: str,
+        request: PoolRequest,
         chain: list[str],
     ) -> None:
-        self.pools, self.health, self.start, self.priority = pools, health, start, priority
-        self.request_id = request_id
+        self.pools, self.health, self.request = pools, health, request
+        self.request_id = request.request_id
         self.limit = config.gateway.max_resumptions
         self.chain = chain  # the route's pools, in fallback order
         self.config = config
@@ -114,12 +109,7 @@ class Resumer:
                 if not await self._up(target):
                     break  # still down: the next target
                 self.count += 1
-                resume = None if state is None else _copy(state)
-                try:
-                    call = self.start(self.pools[target].options(stream=True), self.priority, resume)
-                except Exception as e:  # an endpoint whose call takes no resume state
-                    logger.error("request %s cannot be resumed: %r", self.request_id, e)
-                    return None
+                call = self.request.call(self.pools[target], None if state is None else _copy(state))
                 first = await self._first(call, target)
                 if not isinstance(first, PoolFailure | OpenAIError):
                     logger.warning(

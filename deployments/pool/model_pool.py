@@ -25,11 +25,9 @@ from raylane.deployments.pool.serving_completion import OpenAIServingCompletion
 from raylane.deployments.pool.serving_responses import OpenAIServingResponses
 from raylane.deployments.pool.serving_tokenization import OpenAIServingTokenization
 from raylane.deployments.pool.tokenize_offload import tokenize_off_loop
-from raylane.deployments.protocol.openai_schemas import ChatCompletionRequest, CompletionRequest
-from raylane.deployments.protocol.sampling import ToolPlan
 from raylane.deployments.protocol.tokenization_schemas import DetokenizeRequest, TokenizeRequest
-from raylane.deployments.protocol.wire import PoolItem, ResumeState
-from raylane.engine import AsyncLLM, SamplingParams
+from raylane.deployments.protocol.wire import PoolItem, PoolRequest
+from raylane.engine import AsyncLLM
 from raylane.engine.grammar_compiler import COMPILE_PRELOAD, GrammarCompileService, tokenizer_info_json
 
 logger = logging.getLogger(__name__)
@@ -79,48 +77,29 @@ class ModelPool:
             self.pool.name, self.startup["ready"] - started, engine_ready - started,
         )  # fmt: skip
 
-    async def chat(
-        self,
-        request: ChatCompletionRequest,
-        params: SamplingParams,
-        plan: ToolPlan,
-        request_id: str,
-        priority: int = 0,
-        resume: ResumeState | None = None,
-    ) -> AsyncIterator[PoolItem]:
-        """`priority` is the caller's tier's (lower is served first); the engine schedules by it.
+    async def chat(self, request: PoolRequest) -> AsyncIterator[PoolItem]:
+        """The engine schedules by `request.priority` (the caller's tier's; lower is served first).
         The response's last item is a `FinalItem` with the request's `RequestSummary` (tokens, TTFT,
-        finish reason) for the request log (deployments/protocol/wire.py). `resume`: continue a stream that a
-        failed replica began (deployments/gateway/resumption.py)."""
-        items = self.chat_serving.chat(request, params, plan, request_id, priority, resume)
+        finish reason) for the request log (deployments/protocol/wire.py). `request.resume`: continue a
+        stream that a failed replica began (deployments/gateway/resumption.py)."""
+        r = request
+        items = self.chat_serving.chat(r.body, r.params, r.tools, r.request_id, r.priority, r.resume)
         async for item in self._forward(items):
             yield item
 
-    async def completions(
-        self,
-        request: CompletionRequest,
-        params: SamplingParams,
-        request_id: str,
-        priority: int = 0,
-        resume: ResumeState | None = None,
-    ) -> AsyncIterator[PoolItem]:
-        items = self.completion_serving.completion(request, params, request_id, priority, resume)
+    async def completions(self, request: PoolRequest) -> AsyncIterator[PoolItem]:
+        r = request
+        items = self.completion_serving.completion(r.body, r.params, r.request_id, r.priority, r.resume)
         async for item in self._forward(items):
             yield item
 
-    async def responses(
-        self,
-        request: ChatCompletionRequest,
-        params: SamplingParams,
-        plan: ToolPlan,
-        request_id: str,
-        echo: dict,
-        priority: int = 0,
-        resume: ResumeState | None = None,
-    ) -> AsyncIterator[PoolItem]:
+    async def responses(self, request: PoolRequest) -> AsyncIterator[PoolItem]:
         """/v1/responses: the chat request the gateway made of it, answered as a Responses object or
-        its events; `echo` holds the request's fields the response repeats. `resume`: as `chat`'s."""
-        items = self.responses_serving.create(request, params, plan, request_id, echo, priority, resume)
+        its events; `request.echo` holds the request's fields the response repeats."""
+        r = request
+        items = self.responses_serving.create(
+            r.body, r.params, r.tools, r.request_id, r.echo, r.priority, r.resume
+        )
         async for item in self._forward(items):
             yield item
 

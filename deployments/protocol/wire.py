@@ -21,10 +21,16 @@ here, as it takes the rest of what crosses, so its modules import nothing of the
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal
 
 from raylane.deployments.protocol.errors import OpenAIError
 from raylane.engine.errors import EngineDeadError as EngineDeadError  # the gateway's, from here
+
+if TYPE_CHECKING:
+    from raylane.deployments.protocol.openai_schemas import ChatCompletionRequest, CompletionRequest
+    from raylane.deployments.protocol.sampling import ToolPlan
+    from raylane.engine.sampling_params import SamplingParams
 
 DONE = "data: [DONE]\n\n"
 ERROR_EVENT_PREFIX = 'data: {"error"'
@@ -102,6 +108,29 @@ class ResumeState:
 
 
 PoolItem = str | OpenAIError | FinalItem | StreamItem
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRequest:
+    """One request as the gateway hands it to a pool, whole: the pool method that serves it
+    (`endpoint`), the OpenAI request (for `responses`, the chat request it maps to), its sampling
+    parameters, the tool plan (chat, responses), the fields a Responses object repeats (`echo`), its
+    id; then what the gateway decides per call: the tier's `priority` (the engine schedules by it)
+    and, when a stream goes on after its replica died, the stream's `resume` state."""
+
+    endpoint: Literal["chat", "completions", "responses"]
+    body: ChatCompletionRequest | CompletionRequest
+    params: SamplingParams
+    request_id: str
+    tools: ToolPlan | None = None
+    echo: dict | None = None
+    priority: int = 0
+    resume: ResumeState | None = None
+
+    def call(self, handle: Any, resume: ResumeState | None = None) -> Any:
+        """The pool's streaming call for this request on `handle` (a pool's Serve handle)."""
+        method = getattr(handle.options(stream=True), self.endpoint)
+        return method.remote(self if resume is None else replace(self, resume=resume))
 
 
 def sse_error(error: OpenAIError) -> str:

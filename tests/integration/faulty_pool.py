@@ -24,7 +24,7 @@ class FaultyPool(ModelPool):
     async def _gate(self, request=None) -> None:
         if self.fault == "client_error":
             raise invalid("messages", "injected fault: the pool refuses these messages")
-        if self.fault == "poison" and request is not None and "POISON" in request.model_dump_json():
+        if self.fault == "poison" and request is not None and "POISON" in request.body.model_dump_json():
             raise KeyError("injected fault: this content crashes the pool")
         while self.fault == "hold":
             await asyncio.sleep(0.05)

@@ -4,22 +4,23 @@ The gateway passes the tier's priority with every pool call; the engine schedule
 here, in front of the real pool, lets a test see what priority a request was actually served with."""
 
 from raylane.deployments.pool.model_pool import ModelPool
+from raylane.deployments.protocol.wire import PoolRequest
 
 
 class RecordingPool(ModelPool):
-    def _record(self, request, priority: int) -> None:
+    def _record(self, request: PoolRequest) -> None:
         if not hasattr(self, "seen"):
             self.seen: list[tuple[str | None, int]] = []
-        self.seen.append((request.user, priority))
+        self.seen.append((request.body.user, request.priority))
 
-    async def chat(self, request, params, plan, request_id, priority: int = 0, resume=None):
-        self._record(request, priority)
-        async for item in super().chat(request, params, plan, request_id, priority, resume):
+    async def chat(self, request: PoolRequest):
+        self._record(request)
+        async for item in super().chat(request):
             yield item
 
-    async def completions(self, request, params, request_id, priority: int = 0, resume=None):
-        self._record(request, priority)
-        async for item in super().completions(request, params, request_id, priority, resume):
+    async def completions(self, request: PoolRequest):
+        self._record(request)
+        async for item in super().completions(request):
             yield item
 
     def priorities(self, user: str) -> list[int]:

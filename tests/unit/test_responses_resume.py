@@ -27,7 +27,7 @@ from raylane.deployments.pool.serving_responses import OpenAIServingResponses
 from raylane.deployments.protocol.responses_request import echo, to_chat_request
 from raylane.deployments.protocol.responses_schemas import ResponsesRequest
 from raylane.deployments.protocol.sampling import chat_params
-from raylane.deployments.protocol.wire import FinalItem, ResumeState, StreamItem
+from raylane.deployments.protocol.wire import FinalItem, PoolRequest, ResumeState, StreamItem
 from raylane.engine import AsyncLLM
 
 EVENT_MODELS = {
@@ -200,9 +200,13 @@ class DyingReplica:
     def options(self, stream: bool) -> "DyingReplica":
         return self
 
-    def call(self, resume: ResumeState | None) -> "Call":
+    @property
+    def responses(self) -> "DyingReplica":  # handle.responses.remote(pool_request)
+        return self
+
+    def remote(self, request: PoolRequest) -> "Call":
         self.calls += 1
-        return Call(self.request.create(resume), self.dies_after if self.calls == 1 else None)
+        return Call(self.request.create(request.resume), self.dies_after if self.calls == 1 else None)
 
 
 class Call:
@@ -234,10 +238,11 @@ def test_a_responses_stream_whose_replica_dies_goes_on_through_the_gateways_rela
     config = ClusterConfig.from_dict({"pools": [{"name": "chat", "model": "raylane-llama-tiny"}]})
 
     async def client() -> tuple[list[str], int]:
-        start = lambda handle, priority, resume: handle.call(resume)  # noqa: E731
+        # Only the request's endpoint, id and resume state reach the stand-in replica.
+        pool_request = PoolRequest("responses", None, None, "r1")
         health = PoolHealth({"chat": replica}, None, 1.0)
-        resumer = Resumer(config, {"chat": replica}, health, start, 0, "r1", ["chat"])
-        call = start(replica, 0, None)
+        resumer = Resumer(config, {"chat": replica}, health, pool_request, ["chat"])
+        call = pool_request.call(replica)
         sent = [t async for t in relay(await anext(call), call, None, None, resumer, "chat")]
         return sent, resumer.count
 
