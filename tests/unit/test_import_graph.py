@@ -6,6 +6,8 @@ module counts, including those inside functions (a lazy import is still an arrow
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +37,13 @@ MAY_IMPORT = {
     "cluster": {"deployments", "engine", "models", "parallel", "router", "config", "bench"},
     "bench": {"cluster", "deployments", "engine", "models", "parallel", "router", "config"},
 }
+
+
+def in_fresh_interpreter(code: str) -> str:
+    """What `code` prints, run by a new Python in the checkout (nothing imported yet)."""
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
 
 
 def module_name(path: Path) -> str:
@@ -155,34 +164,32 @@ def test_a_pool_replica_does_not_import_the_model_its_engine_core_process_runs()
     """A replica's Python imports the serving side; the model, runner and their transformers/torch
     modules load only in the engine core process. Both import in turn when a replica restarts, so
     each module the replica drags along lengthens a recovery (`raylane bench recovery`)."""
-    import subprocess
-    import sys
-
     probe = (
         "import sys, raylane.deployments.pool.model_pool; "
         "print(sorted(m for m in sys.modules if m.startswith(('raylane.models.', 'raylane.engine.')) "
         "and m.split('.')[2] in ('decoder', 'loader', 'model_runner', 'llm_engine', 'engine_loop')))"
     )
-    command = [sys.executable, "-c", probe]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "[]", done.stdout
+    assert in_fresh_interpreter(probe) == "[]"
 
 
 def test_the_gateway_process_imports_no_model_code():
     """The gateway replica runs no model: importing its ingress loads nothing of models/ or parallel/,
     and of engine/ only the light modules the protocol shares (errors, sampling parameters)."""
-    import subprocess
-    import sys
-
     probe = (
         "import sys, raylane.deployments.gateway.ingress; "
         "print(sorted(m for m in sys.modules if m.startswith(('raylane.models', 'raylane.parallel', "
         "'raylane.engine.')) and m.split('.')[2] not in "
         "('errors', 'sampling_params', 'structured_output')))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120
+    assert in_fresh_interpreter(probe) == "[]"
+
+
+def test_the_engines_errors_and_sampling_params_import_alone():
+    """What a client of the engine's API needs first (SamplingParams, the errors) costs no torch
+    and no engine: `raylane.engine` exports its names lazily."""
+    probe = (
+        "import sys; from raylane.engine import SamplingParams, EngineDeadError; "
+        "print(sorted(m for m in sys.modules if m.startswith('raylane')), 'torch' in sys.modules)"
     )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "[]", done.stdout
+    loaded = ["raylane", "raylane.engine", "raylane.engine.errors", "raylane.engine.sampling_params"]
+    assert in_fresh_interpreter(probe) == f"{loaded} False"
