@@ -48,6 +48,8 @@ from typing import TYPE_CHECKING, Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from raylane.deployments.protocol.wire import PoolRequest
+
 if TYPE_CHECKING:
     from ray.serve._private.common import RequestMetadata
 
@@ -59,11 +61,13 @@ _SEP = "\x00"  # between a message's role and content, and between messages: tex
 
 
 def request_text(args: Iterable[Any], max_chars: int | None = None) -> str:
-    """The prompt text of a pool call's arguments: a chat request's messages (role and text of each,
-    in order) or a completion request's prompt; "" when there is none (a token-id prompt). At most
-    `max_chars` characters, and messages past them are not read."""
+    """The prompt text of a pool call's `PoolRequest`: a chat request's messages (role and text of
+    each, in order) or a completion request's prompt; "" when there is none (a token-id prompt). At
+    most `max_chars` characters, and messages past them are not read."""
     for arg in args:
-        messages = getattr(arg, "messages", None)
+        if not isinstance(arg, PoolRequest):
+            continue
+        messages = getattr(arg.body, "messages", None)
         if messages is not None:
             parts, length = [], 0
             for m in messages:
@@ -72,7 +76,7 @@ def request_text(args: Iterable[Any], max_chars: int | None = None) -> str:
                 if max_chars is not None and length >= max_chars:
                     break
             return "".join(parts)[:max_chars]
-        prompt = getattr(arg, "prompt", None)
+        prompt = getattr(arg.body, "prompt", None)
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             prompt = prompt[0]  # a batch: its first prompt's replica serves the whole batch
         if isinstance(prompt, str):

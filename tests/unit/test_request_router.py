@@ -16,6 +16,7 @@ from raylane.deployments.app import request_router_config
 from raylane.deployments.gateway.request_router import PrefixAwareRouter, block_hashes, request_text
 from raylane.deployments.metrics.gateway import gateway_metrics
 from raylane.deployments.protocol.openai_schemas import ChatCompletionRequest, CompletionRequest
+from raylane.deployments.protocol.wire import PoolRequest
 
 SYSTEM = (
     "You are the support assistant of a bicycle shop. Answer questions about repairs, parts, "
@@ -79,7 +80,7 @@ def chat(system: str, user: str) -> PendingRequest:
         }
     )
     metadata = RequestMetadata(request_id=uuid.uuid4().hex, internal_request_id=uuid.uuid4().hex)
-    return PendingRequest(args=[body, None, None, "req", 0], kwargs={}, metadata=metadata)
+    return PendingRequest(args=[PoolRequest("chat", body, None, "req")], kwargs={}, metadata=metadata)
 
 
 def make_router(*replicas: Replica, **routing) -> PrefixAwareRouter:
@@ -164,7 +165,9 @@ async def test_prompt_blocks_agree_as_far_as_the_messages_do():
     assert h1[: shared - 1] == h2[: shared - 1] and h1[-1] != h2[-1]
     assert block_hashes(request_text(chat(OTHER_SYSTEM, "first question").args), 64)[0] != h1[0]
     completion = CompletionRequest.model_validate({"model": "chat", "prompt": SYSTEM})
-    assert block_hashes(request_text([completion]), 64) == block_hashes(SYSTEM, 64)
+    assert block_hashes(
+        request_text([PoolRequest("completions", completion, None, "r")]), 64
+    ) == block_hashes(SYSTEM, 64)
 
 
 def test_only_the_serve_default_policy_leaves_serves_router():
