@@ -29,8 +29,8 @@ MMAP_THRESHOLD_BYTES = 256 * 1024
 def return_large_buffers() -> None:
     """Blocks of 256 KiB and more (request bodies, MiniLM's activations) get their own mapping,
     given back to the system when freed. glibc's default raises that threshold to the largest block
-    freed so far (up to 32 MiB), after which such blocks come from the heap, where a flood of 700 KB
-    bodies left the gateway tens of MB larger than before it."""
+    freed so far (up to 32 MiB), after which such blocks come from the heap, which keeps its pages.
+    (Measured once against test_noisy_neighbour's gateway growth: within its run-to-run spread.)"""
     if _libc is not None:
         _libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
 
