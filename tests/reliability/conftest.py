@@ -121,7 +121,9 @@ def replica_rss_mb(app: str) -> dict[str, float]:
 def serve_cpu_s(app: str) -> dict[str, float]:
     """CPU seconds (user + system) spent so far by Serve's HTTP proxy and each replica process of
     `app`, keyed `proxy` or by deployment; a replica's child processes (an engine core) count
-    with it."""
+    with it. Beside them, from /proc/stat: `machine`, the busy CPU seconds of the whole machine
+    (everything else on it is the difference), and `steal`, the time the VM's host gave its
+    cores to other guests."""
     import os
     from pathlib import Path
 
@@ -149,6 +151,10 @@ def serve_cpu_s(app: str) -> dict[str, float]:
             node = parent[node]
         if node in owner:
             out[owner[node]] = out.get(owner[node], 0.0) + seconds
+    # cpu  user nice system idle iowait irq softirq steal ...
+    ticks = [int(t) for t in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    out["machine"] = (sum(ticks[:3]) + ticks[5] + ticks[6]) / tick
+    out["steal"] = ticks[7] / tick
     return out
 
 
