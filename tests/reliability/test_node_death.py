@@ -56,6 +56,8 @@ class TwoNodeCluster:
         )
         self.demo_models = demo_models
         self.worker: subprocess.Popen | None = None
+        self.workers_started = 0
+        self.worker_log = os.path.join(self.temp_dir, "workers.log")
 
     @property
     def url(self) -> str:
@@ -83,13 +85,18 @@ class TwoNodeCluster:
             f"--dashboard-agent-listen-port={ports[0]}", f"--dashboard-agent-grpc-port={ports[1]}",
             f"--metrics-export-port={ports[2]}",
         ]  # fmt: skip
-        self.worker = subprocess.Popen(
-            command,
-            env=self.env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        self.workers_started += 1
+        with open(self.worker_log, "a") as log:
+            print(f"-- worker node {self.workers_started}", file=log, flush=True)
+            self.worker = subprocess.Popen(
+                command, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def restart_a_dead_worker(self) -> None:
+        """A worker declared dead by a missed health check under load (its `ray start --block`
+        exits then) is replaced, as KubeRay replaces a worker pod."""
+        if self.worker is not None and self.worker.poll() is not None:
+            self.start_worker()
 
     def kill_worker(self) -> None:
         os.killpg(self.worker.pid, signal.SIGKILL)
@@ -109,10 +116,10 @@ class TwoNodeCluster:
             deploy = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
             deadline = time.monotonic() + 400
             while deploy.poll() is None and time.monotonic() < deadline:
-                if self.worker.poll() is not None:
-                    # The worker was declared dead before the test began (a missed health check under
-                    # load): a new one joins, as in the test itself, and Serve places `primary` there.
-                    self.start_worker()
+                # The worker may be declared dead before the test begins (a missed health check
+                # under load): a new one joins, as in the test itself, and Serve places `primary`
+                # there.
+                self.restart_a_dead_worker()
                 time.sleep(1)
             if deploy.poll() is None:
                 deploy.kill()
@@ -226,9 +233,17 @@ def test_traffic_moves_to_the_fallback_when_a_node_dies_and_returns_with_it(clus
         time.sleep(2)
         cluster.start_worker()
         rejoined = time.monotonic()
-        wait_until(
-            lambda: any(t > rejoined and pool == "primary" for t, _, pool, _ in answers), 400, "primary back"
-        )
+
+        def primary_back() -> bool:
+            cluster.restart_a_dead_worker()
+            return any(t > rejoined and pool == "primary" for t, _, pool, _ in answers)
+
+        try:
+            wait_until(primary_back, 400, "primary back")
+        except TimeoutError as e:
+            raise TimeoutError(
+                f"{e}; the worker nodes' output:\n{Path(cluster.worker_log).read_text()[-4000:]}"
+            ) from None
         recovered = next(t for t, _, pool, _ in answers if t > rejoined and pool == "primary") - rejoined
     finally:
         stop.set()
@@ -262,4 +277,5 @@ def test_traffic_moves_to_the_fallback_when_a_node_dies_and_returns_with_it(clus
         status_5xx=len(statuses) - statuses.count(200),
         first_fallback_after_s=round(fell_back, 1),
         primary_back_after_node_joined_s=round(recovered, 1),
+        worker_nodes_started=cluster.workers_started,
     )
