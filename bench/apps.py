@@ -35,8 +35,8 @@ class LocalServeError(RuntimeError):
 def prepare_checkpoints(configs: list[ClusterConfig]) -> None:
     """Write demo checkpoints here once (replicas would each write them) and fail early, naming the
     pool, when a checkpoint directory is missing (Serve would only retry the replica)."""
-    from raylane.cluster.serve import missing_checkpoints
     from raylane.models.demo import create_demo_models, default_demo_dir
+    from raylane.models.sources import missing_checkpoints
 
     demo = sorted({p.demo_model for c in configs for p in c.pools if p.demo_model})
     if demo:

@@ -14,6 +14,10 @@ SUBCOMMANDS = {
     "generate": ("raylane.cluster.generate", "generate text offline with the engine from a local checkpoint"),
     "bench": ("raylane.bench.cli", "run a benchmark (engine, ...) and print its table"),
     "serve": ("raylane.cluster.serve", "serve the OpenAI-compatible API (Ray Serve) in the foreground"),
+    "apply": (
+        "raylane.cluster.apply",
+        "apply a new config to the running cluster without downtime (in place, rolling, drain)",
+    ),
     "k8s": ("raylane.cluster.k8s", "render the KubeRay manifests (RayService, RayJobs, ...) of a config"),
     "route": (
         "raylane.cluster.route",

@@ -280,6 +280,12 @@ def app_args(config) -> dict[str, Any]:
     return config.model_dump(mode="json", exclude_defaults=True)
 
 
+# A replica is pinned to a pod of its group, and the groups hold as many pods as replicas: a surge
+# replica would wait for a pod that never comes. So on Kubernetes a rolling restart stops an old
+# replica before its replacement starts (Serve's default), where `raylane serve` surges by one.
+NO_SURGE = 0
+
+
 def serve_config(config) -> dict[str, Any]:
     """Serve's declarative config: the same builder and options `raylane serve` deploys, plus the
     Ray resources that pin each pool to its worker group."""
@@ -290,10 +296,12 @@ def serve_config(config) -> dict[str, Any]:
         options = pool_deployment_options(pool)
         bundles = [dict(b) for b in options["placement_group_bundles"]]
         bundles[0][pool_resource(pool.name)] = 1
-        deployments.append({"name": options["name"], "placement_group_bundles": bundles})
+        deployments.append(
+            {"name": options["name"], "placement_group_bundles": bundles, "max_surge_percent": NO_SURGE}
+        )
     gateway = gateway_deployment_options(config)
     actor = {**gateway["ray_actor_options"], "resources": {GATEWAY_RESOURCE: 1}}
-    deployments.append({"name": gateway["name"], "ray_actor_options": actor})
+    deployments.append({"name": gateway["name"], "ray_actor_options": actor, "max_surge_percent": NO_SURGE})
     http: dict[str, Any] = {"host": "0.0.0.0", "port": config.http.port}
     if config.http.request_timeout_s is not None:
         http["request_timeout_s"] = config.http.request_timeout_s

@@ -6,13 +6,14 @@ pools), prints the URL and waits. Ctrl-C or SIGTERM drains the app (new requests
 Retry-After while those in flight finish, up to gateway.drain_timeout_s), deletes it, shuts Serve
 down and stops the Ray it started, so nothing is left running.
 
+SIGHUP reads the config file again and applies it in place (`raylane apply`, cluster/apply.py:
+only what changed restarts, a pool at a time, a replica at a time).
+
 Against a cluster that already runs the app (RAY_ADDRESS, or a local Ray already serving on the
-port) it redeploys the new config in place and returns. Serve restarts every deployment of the app
-(the config is the app's argument, so any change is a new code version for all of them). Each old
-replica stops taking requests first and finishes its in-flight requests and streams (up to
-`raylane.deployments.app.GRACEFUL_SHUTDOWN_TIMEOUT_S`) while the new one starts; requests that arrive
-meanwhile wait for the new replicas, or get 503 `pool_unavailable` with Retry-After once the new
-gateway is up before the pools are.
+port) it applies the new config the same way and returns. An app whose config was not recorded
+(deployed from a Serve config file's `import_path`) is redeployed whole: Serve restarts every
+deployment, each old replica finishing its in-flight requests and streams (up to
+`raylane.deployments.app.GRACEFUL_SHUTDOWN_TIMEOUT_S`) while its replacement starts.
 """
 
 import argparse
@@ -20,7 +21,7 @@ import logging
 import os
 import signal
 import sys
-import time
+import threading
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from raylane.models.sources import missing_checkpoints
+
     if not joined and (missing := missing_checkpoints(config)):  # on this machine, check before starting
         print("raylane serve: " + "; ".join(missing), file=sys.stderr)
         return 2
@@ -94,9 +97,10 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from raylane.cluster.apply import deploy_live
     from raylane.cluster.local_head import LocalHead
     from raylane.cluster.serve_env import serve_env
-    from raylane.deployments.app import APP_NAME, build_app
+    from raylane.deployments.app import APP_NAME
 
     status, head = 0, None
     # This process's Serve client logs each step at INFO too ("Started Serve", "Application ... is ready"
@@ -121,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         serve.start(http_options=http_options, logging_config=serve_logging_config(config))
         pools = ", ".join(p.name for p in config.pools)
         print(f"raylane: starting the gateway and the pools ({pools}); the models load", flush=True)
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/")  # returns once every replica is up
+        deploy_live(config, APP_NAME)  # returns once every replica is up
         host = "127.0.0.1" if http.host in ("0.0.0.0", "::") else http.host
         models = ", ".join(p.model_id for p in config.pools)
         front = "" if joined else f", behind Serve's {'HAProxy' if http.ingress == 'haproxy' else 'proxy'}"
@@ -129,8 +133,12 @@ def run(args: argparse.Namespace) -> int:
             f"raylane: OpenAI API at http://{host}:{http.port}/v1 (models: {models}{front}); Ctrl-C stops it",
             flush=True,
         )
+        reload = threading.Event()
+        signal.signal(signal.SIGHUP, lambda *_: reload.set())
         while True:
-            time.sleep(3600)
+            if reload.wait(3600):
+                reload.clear()
+                _reapply(args)
     except KeyboardInterrupt:
         print("raylane: shutting down", flush=True)
     except Exception as e:  # a deployment that failed (replicas could not start): say so, clean up
@@ -149,6 +157,22 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
+def _reapply(args: argparse.Namespace) -> None:
+    """SIGHUP: read the config file again and apply it to the running app (`raylane apply`)."""
+    from raylane.cluster.apply import ApplyError, apply_config
+    from raylane.config import ConfigError
+    from raylane.deployments.app import APP_NAME
+
+    if not args.config:
+        print("raylane: SIGHUP: started without --config, nothing to read again", flush=True)
+        return
+    print(f"raylane: SIGHUP: applying {args.config}", flush=True)
+    try:
+        apply_config(load_config(args), APP_NAME, log=lambda line: print(line, flush=True))
+    except (ConfigError, ApplyError) as e:
+        print(f"raylane: the new config was not applied: {e}", file=sys.stderr, flush=True)
+
+
 def serve_logging_config(config) -> dict:
     """Serve's controller and proxies log each deployment step at INFO; a newcomer's screen wants the
     start-up progress, the ready line and errors (`logs.serve_log_level`, WARNING by default). Serve's
@@ -164,7 +188,9 @@ def redeploy_in_place(config) -> int | None:
     from ray import serve
     from ray.serve.context import _get_global_client
 
+    from raylane.cluster.apply import apply_config
     from raylane.cluster.serve_env import running_ingress
+    from raylane.deployments import live_config
     from raylane.deployments.app import APP_NAME, build_app
 
     try:
@@ -191,6 +217,11 @@ def redeploy_in_place(config) -> int | None:
                 file=sys.stderr,
             )
             return 2
+        if (
+            live_config.read_state(APP_NAME) is not None
+        ):  # started by `raylane serve`: change only what differs
+            apply_config(config, APP_NAME)
+            return 0
         print(f"raylane: redeploying {APP_NAME} in place; requests in flight finish on the old replicas")
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         models = ", ".join(p.model_id for p in config.pools)
@@ -201,25 +232,6 @@ def redeploy_in_place(config) -> int | None:
         return 1
     finally:
         ray.shutdown()
-
-
-def missing_checkpoints(config) -> list[str]:
-    """Pools whose checkpoint is not here (each replica would fail and retry)."""
-    from raylane.models.gguf import is_gguf
-    from raylane.models.packaged import PackagedModelMissing
-    from raylane.models.sources import model_path
-
-    missing = []
-    for i, p in enumerate(config.pools):
-        where = f"pools[{i}] ({p.name}).model"
-        try:
-            path = model_path(p)
-        except PackagedModelMissing as e:
-            missing.append(f"{where}: {e}")
-            continue
-        if p.demo_model is None and not is_gguf(path) and not os.path.isfile(f"{path}/config.json"):
-            missing.append(f"{where}: no checkpoint at {path} (config.json missing, not a .gguf file)")
-    return missing
 
 
 def prepare_gguf_sidecars(config) -> None:
@@ -261,10 +273,12 @@ def _drain(timeout_s: float) -> None:
 
 
 def _shutdown(serve, joined: bool) -> None:
+    from raylane.deployments import live_config
     from raylane.deployments.app import APP_NAME
     from raylane.deployments.gateway.response_store import delete_response_store
 
     try:
+        live_config.forget(APP_NAME)
         if joined:  # leave other apps on a shared cluster alone
             serve.delete(APP_NAME)
             delete_response_store(APP_NAME)  # a detached actor: it would outlive the app

@@ -84,7 +84,23 @@ def collect(app_name: str = "raylane") -> tuple[list[PoolRow], dict]:
     else:
         app_wide["message"] = "no metrics yet (the app has not reported since it started)"
     rows.sort(key=lambda r: (r.name == "Gateway", r.name))
+    _add_live_config(app_name, rows, app_wide)
     return rows, app_wide
+
+
+def _add_live_config(app_name: str, rows: list[PoolRow], app_wide: dict) -> None:
+    """The config generation served and, during `raylane apply`, what it is doing to which pool."""
+    from raylane.deployments import live_config
+
+    state = live_config.read_state(app_name)
+    if state is None:
+        return
+    app_wide["config_generation"] = state.generation
+    if state.apply is not None:
+        app_wide["apply"] = f"to generation {state.apply['generation']}: {state.apply['step']}"
+        for row in rows:
+            if (action := state.apply["pools"].get(row.name)) is not None:
+                row.status += f" ({action}: {row.replicas_running} running of {row.replicas_total})"
 
 
 def _snapshot(app_name: str) -> dict | None:
@@ -184,6 +200,10 @@ def render(rows: list[PoolRow], app_wide: dict) -> str:
         "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in table
     ]
     footer = f"app: {app_wide.get('status', '?')}"
+    if app_wide.get("config_generation") is not None:
+        footer += f"   config generation {app_wide['config_generation']}"
+    if app_wide.get("apply"):
+        footer += f"   apply in progress {app_wide['apply']}"
     if app_wide.get("http_error_rate") is not None:
         footer += (
             f"   HTTP 5xx over the last {app_wide['window_s']:.0f} s: {_pct(app_wide['http_error_rate'])}"

@@ -45,6 +45,15 @@ class ReplicasConfig(StrictModel):
     )
     upscale_delay_s: float = Field(30.0, ge=0, description="Load must stay high this long to add replicas.")
     downscale_delay_s: float = Field(600.0, ge=0, description="Load must stay low this long to remove one.")
+    max_surge_percent: int = Field(
+        1,
+        ge=0,
+        le=100,
+        description="Serve's rolling-restart surge, as a share of the replicas rounded up to whole ones: "
+        "the default starts one new replica and waits until it runs before an old one stops (the pool "
+        "never serves below its count); 0 stops an old replica first, for a cluster with no room for one "
+        "more replica (its GPUs).",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> ReplicasConfig:

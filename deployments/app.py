@@ -10,6 +10,7 @@ A Serve config file can name it too: `import_path: raylane.deployments.app:build
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -21,6 +22,7 @@ from raylane.config import ClusterConfig, PoolConfig
 from raylane.deployments.gateway.ingress import Gateway
 from raylane.deployments.gateway.pool_health import pool_deployment_name
 from raylane.deployments.gateway.request_router import PrefixAwareRouter
+from raylane.deployments.live_config import GATEWAY_VERSION, LiveState, gateway_user_config, pool_version
 from raylane.deployments.pool.autoscaling import LLMAutoscalingPolicy
 from raylane.deployments.pool.model_pool import ModelPool
 from raylane.engine.executor.placement import DRIVER_GPU_SHARE
@@ -34,6 +36,14 @@ REPLICA_DRIVER_CPUS = 0.1
 # (Serve's default, 20 s, cuts long streams). Not `gateway.drain_timeout_s`, which is how long
 # `raylane serve` lets requests finish when it stops the whole app.
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 120.0
+# A pool whose replicas failed to start this many times in a row is failed (Serve's default grows with
+# the replica count, 3 per replica): a rolling restart to a broken model is given up, and rolled back
+# by `raylane apply`, after three tries rather than three per replica.
+POOL_START_RETRIES = 3
+# The gateway's Serve `max_surge_percent` (a pool's is `replicas.max_surge_percent`), rounded up to whole
+# replicas: a rolling restart starts one new replica and waits until it runs before it stops an old
+# one, so it never serves below its count, and a replacement that fails to start leaves the old ones.
+ONE_REPLICA_SURGE = 1
 
 
 def serve_logging(access_log: bool) -> dict[str, Any]:
@@ -71,6 +81,8 @@ def pool_deployment_options(
         "health_check_period_s": pool.health_check_period_s,
         "health_check_timeout_s": pool.health_check_timeout_s,
         "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_TIMEOUT_S,
+        "max_surge_percent": replicas.max_surge_percent,
+        "max_constructor_retry_count": POOL_START_RETRIES,
         "logging_config": serve_logging(access_log),
     }
     if pool.routing.policy == "prefix_aware":
@@ -124,24 +136,40 @@ def gateway_deployment_options(config: ClusterConfig) -> dict[str, Any]:
         "ray_actor_options": {"num_cpus": config.gateway.num_cpus},
         "max_ongoing_requests": config.gateway.max_ongoing_requests,
         "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_TIMEOUT_S,
+        "max_surge_percent": ONE_REPLICA_SURGE,
         "logging_config": serve_logging(config.logs.serve_access_log),
     }
 
 
-def build_app(config: ClusterConfig | dict[str, Any] | str | os.PathLike | None = None) -> Application:
+def build_app(
+    config: ClusterConfig | dict[str, Any] | str | os.PathLike | None = None,
+    *,
+    live: LiveState | None = None,
+    keep_pools: Sequence[PoolConfig] = (),
+) -> Application:
     """The Serve application of a cluster config (a `ClusterConfig`, its dict, a YAML path,
-    `{"config_path": ...}` as Serve's `args`, or None for the embedded default)."""
+    `{"config_path": ...}` as Serve's `args`, or None for the embedded default).
+
+    With `live` (deployments/live_config.py: what `raylane serve` and `raylane apply` deploy), every
+    deployment carries a version from its config, so deploying again restarts only what changed, and
+    the gateway reads its config from the recorded one that `live` names. `keep_pools`: pools of the
+    running app that `config` leaves out, kept while the gateway stops sending them requests."""
     config = _coerce(config)
     access_log = config.logs.serve_access_log
     has_gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
-    pools = {
-        pool.name: serve.deployment(ModelPool, **pool_deployment_options(pool, access_log, has_gpus)).bind(
-            pool, prepare_engine_config
+    pools = {}
+    for pool in [*config.pools, *keep_pools]:
+        deployment = serve.deployment(ModelPool, **pool_deployment_options(pool, access_log, has_gpus))
+        if live is not None:
+            deployment = deployment.options(version=pool_version(pool), _internal=True)
+        pools[pool.name] = deployment.bind(pool, prepare_engine_config)
+    gateway = serve.deployment(Gateway, **gateway_deployment_options(config))
+    if live is not None:
+        gateway = gateway.options(
+            version=GATEWAY_VERSION, user_config=gateway_user_config(live), _internal=True
         )
-        for pool in config.pools
-    }
     # The config objects themselves travel (pickled): a JSON dump would mask the API keys.
-    return serve.deployment(Gateway, **gateway_deployment_options(config)).bind(config, pools)
+    return gateway.bind(config, pools)
 
 
 def _coerce(config) -> ClusterConfig:

@@ -7,7 +7,9 @@ front, with a progress bar) and the app builder, which hands `prepare_engine_con
 `ModelPool` replica: a replica may run on a node that has never seen the demo checkpoint.
 """
 
-from raylane.config import EngineConfig, PoolConfig
+import os
+
+from raylane.config import ClusterConfig, EngineConfig, PoolConfig
 from raylane.models.demo import create_demo_models, default_demo_dir
 from raylane.models.packaged import packaged_model_path
 
@@ -32,3 +34,22 @@ def prepare_engine_config(pool: PoolConfig) -> EngineConfig:
     if pool.demo_model is not None:
         create_demo_models(default_demo_dir(), names=[pool.demo_model])
     return engine_config(pool)
+
+
+def missing_checkpoints(config: ClusterConfig) -> list[str]:
+    """Pools whose checkpoint is not on this machine, each naming its field (every replica would
+    fail and retry): what `raylane serve` and `raylane apply` check before deploying."""
+    from raylane.models.gguf import is_gguf
+    from raylane.models.packaged import PackagedModelMissing
+
+    missing = []
+    for i, p in enumerate(config.pools):
+        where = f"pools[{i}] ({p.name}).model"
+        try:
+            path = model_path(p)
+        except PackagedModelMissing as e:
+            missing.append(f"{where}: {e}")
+            continue
+        if p.demo_model is None and not is_gguf(path) and not os.path.isfile(f"{path}/config.json"):
+            missing.append(f"{where}: no checkpoint at {path} (config.json missing, not a .gguf file)")
+    return missing

@@ -82,6 +82,46 @@ class Router:
             self._healthy[pool.name] = True
         self.resolver = ModelResolver(config, pools, self.classifier.classify)
 
+    def update(
+        self,
+        config: RouterConfig,
+        tiers: Sequence[TierConfig],
+        api_keys: ApiKeysConfig,
+        pools: Sequence[PoolSpec],
+        *,
+        classifier: SemanticClassifier | None = None,
+        environ: Mapping[str, str] = os.environ,
+    ) -> None:
+        """Take a new config in place (a live `raylane apply`), keeping what requests in flight hold:
+        their slots, waits and charges, each key's rate-limit spending, and the circuit breakers and
+        health of the pools that stay. Checked and built first, so an invalid config changes nothing
+        (ValueError naming the field). `classifier`: the new routes' one, when they differ."""
+        specs = {p.name: p for p in pools}
+        config.check_pools(list(specs))
+        authenticator = ApiKeyAuthenticator(
+            api_keys, list(tiers), environ=environ, clock=self.admission.clock
+        )
+        classifier = classifier if classifier is not None else self.classifier
+        resolver = ModelResolver(config, pools, classifier.classify)
+        # Nothing below can fail: the switch is whole.
+        breaker = config.circuit_breaker
+        for pool in pools:
+            capacity = pool.max_in_flight or config.default_max_in_flight
+            max_waiting = config.default_max_waiting if pool.max_waiting is None else pool.max_waiting
+            if pool.name in self.pools:
+                self.admission.resize(pool.name, capacity, max_waiting)
+            else:
+                self.admission.add_pool(pool.name, capacity, max_waiting)
+                self.breakers[pool.name] = CircuitBreaker(
+                    breaker.failure_threshold, breaker.cooldown_s, self.admission.clock
+                )
+                self._healthy[pool.name] = True
+        self.rate_limiter.retier(tiers)
+        # A pool taken out keeps its admission entry and breaker for the requests still on it; no
+        # route or model name resolves to it any more.
+        self.config, self.pools, self.classifier = config, specs, classifier
+        self.authenticator, self.resolver = authenticator, resolver
+
     @property
     def open_mode(self) -> bool:
         return self.authenticator.open_mode

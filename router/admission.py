@@ -122,6 +122,11 @@ class AdmissionController:
         self._pools[pool].capacity = capacity
         self._dispatch(self._pools[pool])
 
+    def resize(self, pool: str, capacity: int, max_waiting: int) -> None:
+        """A new config's limits for a pool, keeping its slots held and its queue."""
+        self._pools[pool].max_waiting = max_waiting
+        self.set_capacity(pool, capacity)
+
     def load(self, pool: str) -> PoolLoad:
         p = self._pools[pool]
         return PoolLoad(p.in_flight, len(p.waiters), p.capacity)

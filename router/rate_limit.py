@@ -13,7 +13,7 @@ addresses stays bounded in memory.
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from raylane.config import TierConfig
@@ -116,6 +116,29 @@ class RateLimiter:
         more = min(float(tokens), max(0.0, charge.bucket.capacity - charge.tokens))
         self._raise_if_limited(tier, {"tokens": charge.bucket.wait_for(more) if more else 0.0})
         charge.tokens += charge.bucket.take(more)
+
+    def retier(self, tiers: Sequence[TierConfig]) -> None:
+        """New limits for the tiers (a live config change): each key keeps what it has spent this
+        minute, measured against the new allowance; a limit removed drops its bucket, one added
+        starts full (the next request creates it)."""
+        limits = {t.name: {"requests": t.requests_per_minute, "tokens": t.tokens_per_minute} for t in tiers}
+        now = self._clock()
+        for (key_id, tier), buckets in list(self._buckets.items()):
+            new = limits.get(tier)
+            if new is None:  # the tier is gone: its keys now belong to another
+                del self._buckets[(key_id, tier)]
+                continue
+            for name, limit in new.items():
+                bucket = buckets.get(name)
+                if not limit:
+                    buckets.pop(name, None)
+                elif bucket is None:
+                    buckets[name] = TokenBucket.per_minute(limit, now)
+                elif bucket.capacity != limit:
+                    bucket.refill(now)
+                    spent = bucket.capacity - bucket.level
+                    bucket.capacity, bucket.per_second = float(limit), limit / 60.0
+                    bucket.level = float(limit) - spent
 
     @staticmethod
     def _raise_if_limited(tier: TierConfig, waits: dict[str, float]) -> None:

@@ -30,12 +30,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from raylane.bounded_worker import BoundedWorker, WorkerBusy, WorkerTimeout, start_forkserver
 from raylane.config import ClusterConfig
+from raylane.deployments import live_config
 from raylane.deployments.gateway.affinity import ConversationAffinity
 from raylane.deployments.gateway.dispatch import Dispatcher, error_response
 from raylane.deployments.gateway.drain import RETRY_AFTER_S, DrainWatcher
 from raylane.deployments.gateway.embeddings import create_embeddings, return_large_buffers
 from raylane.deployments.gateway.openapi import publish, route_docs
-from raylane.deployments.gateway.pool_health import PoolHealth, serve_liveness
+from raylane.deployments.gateway.pool_health import PoolHealth, pool_deployment_name, serve_liveness
 from raylane.deployments.gateway.request_body import (
     off_the_loop_if_large,
     parse_body,
@@ -44,11 +45,11 @@ from raylane.deployments.gateway.request_body import (
     read_body,
     validate_body,
 )
-from raylane.deployments.gateway.request_log import RequestLogMiddleware, router_timed
+from raylane.deployments.gateway.request_log import RequestLogMiddleware, current_record, router_timed
 from raylane.deployments.gateway.response_store import response_store
 from raylane.deployments.gateway.responses_api import StoredResponses
-from raylane.deployments.gateway.routing import build_router
-from raylane.deployments.metrics.gateway import render_cluster_metrics
+from raylane.deployments.gateway.routing import build_router, classifier_for, update_router
+from raylane.deployments.metrics.gateway import render_cluster_metrics, set_config_generation
 from raylane.deployments.protocol.errors import (
     OpenAIError,
     client_error,
@@ -162,7 +163,9 @@ class Gateway:
         # The handles were made where the app was built; calls go by gRPC when this replica's Serve
         # runs with it (cluster/serve_env.py), as the proxy's calls to this replica do.
         grpc = os.environ.get("RAY_SERVE_USE_GRPC_BY_DEFAULT") == "1"
-        self.pools = {name: handle.options(_by_reference=not grpc) for name, handle in pools.items()}
+        # (A pool being removed by `raylane apply` is still deployed, with a handle here: not served.)
+        names = {p.name for p in self.config.pools}
+        self.pools = {n: h.options(_by_reference=not grpc) for n, h in pools.items() if n in names}
         self.created = int(time.time())
         import torch
 
@@ -178,6 +181,48 @@ class Gateway:
         self.dispatcher = Dispatcher(self.config, self.router, self.pools, self.pool_health, self.drain)
         self._stored_responses: StoredResponses | None = None
         self.affinity = ConversationAffinity(self.config.router.affinity)
+        self.config_generation: int | None = None  # set by `reconfigure` when the app is live-configurable
+        self.config_digest: str | None = None
+        self._reconfiguring = asyncio.Lock()
+
+    async def reconfigure(self, user_config: dict) -> None:
+        """Serve calls this when the app's gateway user config changes (`raylane apply`), and once
+        after `__init__`: take the config it names (deployments/live_config.py) in place. Requests in
+        flight keep their slots, charges and pool calls; keys' rate-limit spending, circuit breakers
+        and affinities carry over; pools added get a handle, pools removed get no new requests."""
+        async with self._reconfiguring:
+            generation, digest = user_config["config_generation"], user_config["config_digest"]
+            context = serve.get_replica_context()
+            app_name = context.app_name
+            if self.config_digest is None and digest == live_config.config_digest(self.config):
+                self.config_digest = digest  # the config it was started with
+            if digest != self.config_digest:
+                await self._take(await asyncio.to_thread(live_config.load, app_name, digest), app_name)
+                logger.info("config generation %d applied in place", generation)
+            self.config_generation, self.config_digest = generation, digest
+            set_config_generation(generation)
+            ack = live_config.acknowledge
+            await asyncio.to_thread(ack, app_name, context.replica_id.unique_id, generation)
+
+    async def _take(self, config: ClusterConfig, app_name: str) -> None:
+        """Switch this replica to `config`: the router (a changed route's classifier is trained off
+        the loop, seconds), the pools' handles, the settings."""
+        update_router(self.router, config, await asyncio.to_thread(classifier_for, self.router, config))
+        grpc = os.environ.get("RAY_SERVE_USE_GRPC_BY_DEFAULT") == "1"
+        for pool in config.pools:
+            if pool.name not in self.pools:
+                handle = serve.get_deployment_handle(pool_deployment_name(pool.name), app_name)
+                self.pools[pool.name] = handle.options(_by_reference=not grpc)
+        for name in set(self.pools) - {p.name for p in config.pools}:
+            del self.pools[name]  # the health loop stops probing it; requests on it finish there
+        if config.router.affinity != self.config.router.affinity:
+            self.affinity = ConversationAffinity(config.router.affinity)
+        self.pool_health.period_s = config.gateway.pool_health_period_s
+        if self.grammar_worker is not None and (
+            config.gateway.grammar_check_timeout_s != self.config.gateway.grammar_check_timeout_s
+        ):
+            self.grammar_worker = None  # the next grammar starts one with the new bound
+        self.config = self.dispatcher.config = config
 
     # -- endpoints --------------------------------------------------------------------------------
 
@@ -443,4 +488,6 @@ class Gateway:
 
     def authenticate(self, request: Request) -> Principal:
         self.check_open()
+        if (record := current_record()) is not None:
+            record.config_generation = self.config_generation
         return self.router.authenticate(request.headers, request.client.host if request.client else None)

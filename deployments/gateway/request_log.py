@@ -65,6 +65,7 @@ class RequestRecord:
     ttft_s: float | None = None
     finish_reason: str | None = None
     router_latency_s: float | None = None  # set by the gateway where it times the router
+    config_generation: int | None = None  # the live config that served it (`raylane apply`)
     resumptions: list[tuple[str, str]] = field(default_factory=list)  # (pool, reason) per resumption
     latency_s: float | None = None
     prompt: Any = None  # only with RAYLANE_LOG_PROMPTS
@@ -101,6 +102,7 @@ class RequestRecord:
             "ttft_s": _round(self.ttft_s),
             "latency_s": _round(self.latency_s),
             "finish_reason": self.finish_reason,
+            "config_generation": self.config_generation,
         }
         if self.error_code:
             fields["error_code"] = self.error_code

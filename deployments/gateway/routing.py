@@ -23,6 +23,7 @@ import math
 
 from raylane.config import ClusterConfig, RouteConfig, RouterConfig, TierConfig
 from raylane.router import PoolSpec, Router
+from raylane.router.classifier import SemanticClassifier
 from raylane.router.errors import UnknownModelError
 from raylane.router.resolve import DIRECT_ROUTE
 
@@ -83,18 +84,48 @@ def replica_tiers(tiers: list[TierConfig], replicas: int) -> list[TierConfig]:
     ]
 
 
+def _routes(config: ClusterConfig) -> RouterConfig:
+    """The router config the gateway runs: the effective routes, or the `direct` stand-in."""
+    routes = effective_router_config(config)
+    if routes is None:
+        pools = [p.name for p in config.pools]
+        logger.warning("no route fits the pools %s: `auto` is disabled", pools)
+        return RouterConfig(
+            routes=[RouteConfig(name=DIRECT_ROUTE, pool=pools[0])], default_route=DIRECT_ROUTE, dataset=None
+        )
+    logger.info("routes: %s", {r.name: [r.pool, *r.fallbacks] for r in routes.routes})
+    return routes
+
+
+def _classifier(routes: RouterConfig, current: Router | None = None):
+    """The classifier of `routes` (seconds to train): `current`'s when its routes are the same, one
+    reusing `current`'s sentence encoder when only the routes changed."""
+    if routes.routes[0].name == DIRECT_ROUTE:
+        return _NoRoutes()
+    if current is None or isinstance(current.classifier, _NoRoutes):
+        return SemanticClassifier(routes)
+    if current.config == routes:
+        return current.classifier
+    old = current.config
+    if (old.max_tokens, old.quantize) == (routes.max_tokens, routes.quantize):
+        return SemanticClassifier(routes, encoder=current.classifier.encoder)
+    return SemanticClassifier(routes)
+
+
 def build_router(config: ClusterConfig) -> Router:
     """Loads the semantic classifier (seconds) unless no route fits the pools."""
+    routes = _routes(config)
     tiers = replica_tiers(config.tiers, config.gateway.num_replicas)
-    routes = effective_router_config(config)
-    specs = pool_specs(config)
-    if routes is None:
-        logger.warning("no route fits the pools %s: `auto` is disabled", [p.name for p in specs])
-        direct = RouterConfig(
-            routes=[RouteConfig(name=DIRECT_ROUTE, pool=specs[0].name)],
-            default_route=DIRECT_ROUTE,
-            dataset=None,
-        )
-        return Router(direct, tiers, config.api_keys, specs, classifier=_NoRoutes())
-    logger.info("routes: %s", {r.name: [r.pool, *r.fallbacks] for r in routes.routes})
-    return Router(routes, tiers, config.api_keys, specs)
+    return Router(routes, tiers, config.api_keys, pool_specs(config), classifier=_classifier(routes))
+
+
+def classifier_for(router: Router, config: ClusterConfig):
+    """The classifier `config`'s routes need: seconds to train when they changed. Off the loop."""
+    return _classifier(_routes(config), router)
+
+
+def update_router(router: Router, config: ClusterConfig, classifier) -> None:
+    """Apply a new cluster config to a running router in place (`Router.update`), on the event loop
+    that its requests run on (the admission controller hands slots to waiting requests)."""
+    tiers = replica_tiers(config.tiers, config.gateway.num_replicas)
+    router.update(_routes(config), tiers, config.api_keys, pool_specs(config), classifier=classifier)

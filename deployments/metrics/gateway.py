@@ -8,7 +8,7 @@ import logging
 from prometheus_client import Counter, Histogram
 
 from raylane.deployments.metrics.aggregator import get_aggregator
-from raylane.deployments.metrics.metric_set import MetricSet
+from raylane.deployments.metrics.metric_set import MetricSet, sample_key
 from raylane.deployments.metrics.reporter import MetricsReporter
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,22 @@ class GatewayMetrics(MetricSet):
 
 
 _gateway: tuple[GatewayMetrics, MetricsReporter] | None = None
+_config_generation: int | None = None  # the live config this replica serves (`raylane apply`)
+CONFIG_GENERATION = "raylane_config_generation"
+
+
+def set_config_generation(generation: int) -> None:
+    global _config_generation
+    _config_generation = generation
+
+
+async def _gauges() -> tuple[dict, dict]:
+    if _config_generation is None:
+        return {}, {}
+    _, reporter = _gateway
+    families = {CONFIG_GENERATION: ("gauge", "Generation of the config each gateway replica serves.")}
+    key = sample_key(CONFIG_GENERATION, CONFIG_GENERATION, {"replica": reporter.replica})
+    return families, {key: float(_config_generation)}
 
 
 def gateway_metrics() -> GatewayMetrics:
@@ -92,7 +108,7 @@ def gateway_metrics() -> GatewayMetrics:
     global _gateway
     if _gateway is None:
         metrics = GatewayMetrics()
-        _gateway = metrics, MetricsReporter(metrics)
+        _gateway = metrics, MetricsReporter(metrics, _gauges)
     metrics, reporter = _gateway
     if reporter.task is None and _ray_ready():
         reporter.start()

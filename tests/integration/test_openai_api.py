@@ -618,7 +618,8 @@ def test_raylane_serve_runs_the_embedded_default_until_ctrl_c(demo_models):
 def test_two_raylane_serves_behind_haproxy_run_side_by_side(demo_models, tmp_path):
     """`http.ingress: haproxy`: Serve's HAProxy takes the port and forwards to the gateway replica.
     Two such clusters on one machine each get their own HAProxy files and ports (Ray's defaults are
-    the same for every cluster), both stream through their own port, and Ctrl-C leaves nothing."""
+    the same for every cluster), both stream through their own port; SIGHUP makes one apply its edited
+    config file in place (cluster/apply.py), and only that one; Ctrl-C leaves nothing."""
     from tests.live_servers import free_port
 
     servers = []
@@ -632,9 +633,9 @@ def test_two_raylane_serves_behind_haproxy_run_side_by_side(demo_models, tmp_pat
                 "pools: [{name: chat, model: 'demo:raylane-llama-tiny', engine: {num_kv_blocks: 128}}]\n"
             )
             proc, lines, reader = start_raylane_serve(demo_models, "--config", str(config))
-            servers.append((port, proc, reader))
+            servers.append((port, proc, reader, config, lines))
             assert "behind Serve's HAProxy" in next(line for line in lines if "OpenAI API at" in line)
-        for port, proc, _ in servers:
+        for port, proc, *_ in servers:
             url = f"http://127.0.0.1:{port}/v1"
             client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
             chunks = list(
@@ -652,13 +653,28 @@ def test_two_raylane_serves_behind_haproxy_run_side_by_side(demo_models, tmp_pat
             children = descendants(proc.pid)
             haproxies = [p for p in children if b"haproxy" in Path(f"/proc/{p}/cmdline").read_bytes()]
             assert port in listening_ports(haproxies)  # HAProxy, not Serve's proxy actor, holds the API port
-        started = set().union(*(descendants(proc.pid) for _, proc, _ in servers))
-        for _, proc, _ in servers:
+
+        # SIGHUP: `a` reads its config file again and applies it in place; `b` is untouched.
+        port, proc, _, config, lines = servers[0]
+        config.write_text(config.read_text() + "api_keys: {keys: {sk-live: premium}}\n")
+        proc.send_signal(signal.SIGHUP)
+        assert wait_for(lambda: any("raylane apply: done" in line for line in list(lines)), timeout=120), (
+            lines[-20:]
+        )
+        keyed = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-live", max_retries=0)
+        assert keyed.models.list().data
+        with pytest.raises(openai.AuthenticationError):  # keys are now required there
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0).models.list()
+        open_b = openai.OpenAI(base_url=f"http://127.0.0.1:{servers[1][0]}/v1", api_key="x", max_retries=0)
+        assert open_b.models.list().data
+
+        started = set().union(*(descendants(proc.pid) for _, proc, *_ in servers))
+        for _, proc, *_ in servers:
             proc.send_signal(signal.SIGINT)
-        assert [proc.wait(timeout=120) for _, proc, _ in servers] == [0, 0]
+        assert [proc.wait(timeout=120) for _, proc, *_ in servers] == [0, 0]
         assert wait_for(lambda: not [p for p in started if alive(p)], timeout=15)
     finally:
-        for _, proc, reader in servers:
+        for _, proc, reader, *_ in servers:
             stop_raylane_serve(proc)
             reader.join(timeout=5)
 
