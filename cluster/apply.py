@@ -211,11 +211,11 @@ def deploy_live(config: ClusterConfig, app: str, route_prefix: str | None = "/")
     `raylane serve` does); returns once every replica runs (serve.run)."""
     from ray import serve
 
-    from raylane.deployments.app import build_app
+    from raylane.deployments.app import build_live_app
 
     previous = live_config.read_state(app)
     state = live_config.publish(app, config, route_prefix, previous)
-    serve.run(build_app(config, live=state), name=app, route_prefix=route_prefix)
+    serve.run(build_live_app(config, state), name=app, route_prefix=route_prefix)
     return state
 
 
@@ -230,7 +230,7 @@ def apply_config(
     """Change the running app `app` to `new` (see the module doc); returns the plan carried out.
     ApplyError when it could not (nothing changed, or the change was undone); ConfigError for a
     config that cannot be applied."""
-    from raylane.deployments.app import build_app
+    from raylane.deployments.app import build_live_app
     from raylane.deployments.gateway.pool_health import pool_deployment_name
 
     running = live_config.running_config(app)
@@ -257,13 +257,13 @@ def apply_config(
     try:
         # 1. New and changed pools start beside the running ones; the gateway keeps the old config.
         if plan.added or plan.rolled or plan.adjusted:
-            _deploy(build_app(new, live=state, keep_pools=removed), app, prefix)
+            _deploy(build_live_app(new, state, removed), app, prefix)
             for name in [*plan.added, *plan.rolled]:
                 _wait(f"pool {name}", _pool_ready(app, name, old_replicas.get(name, set())), timeout_s, log)
                 log(f"raylane apply: pool {name} runs the new config ({time.monotonic() - started:.1f} s)")
     except ApplyError as e:
         log(f"raylane apply: {e}; rolling back to generation {state.generation}")
-        _deploy(build_app(old, live=state), app, prefix)  # the old replicas never stopped
+        _deploy(build_live_app(old, state), app, prefix)  # the old replicas never stopped
         for name in plan.rolled:  # until the replicas that failed to start are gone
             _wait(f"pool {name} back", _pool_back(app, name, old_replicas[name]), timeout_s, log)
         _finish(app, state, "rolled_back")
@@ -273,7 +273,7 @@ def apply_config(
         raise
     # 2. The gateway takes the new config in place; removed pools get no new requests from here.
     live_config.write_state(app, _with(state, apply=progress | {"step": "gateway"}))
-    _deploy(build_app(new, live=new_state, keep_pools=removed), app, prefix)
+    _deploy(build_live_app(new, new_state, removed), app, prefix)
     try:
         _wait("the gateway", _gateway_ready(app, new_state.generation), timeout_s, log)
     except ApplyError:
@@ -284,7 +284,7 @@ def apply_config(
     published = live_config.publish(app, new, prefix, state)
     # 3. Removed pools: Serve stops each replica once its requests and streams are done.
     if removed:
-        _deploy(build_app(new, live=published), app, prefix)
+        _deploy(build_live_app(new, published), app, prefix)
         log(f"raylane apply: draining and stopping {', '.join(plan.removed)}")
     _finish(app, published, "applied")
     took = time.monotonic() - started

@@ -89,6 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     render.add_argument("--models-dir", default="/models", help="where the PVC is mounted (default /models)")
     render.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of one node (default 8)")
     render.add_argument("--demo-secret", action="store_true", help="generate the API-key Secret (demo key)")
+    render.add_argument(
+        "--incremental-upgrade",
+        metavar="GATEWAY_CLASS",
+        help="upgrade a changed cluster spec by KubeRay's NewClusterWithIncrementalUpgrade through this "
+        "Gateway API class (KubeRay >= 1.5.1, feature gate RayServiceIncrementalUpgrade): the new cluster "
+        "grows and takes traffic in steps, without room for two whole clusters",
+    )
     sub.add_parser("sync", help="re-render every checked-in directory under k8s/ (see CHECKED_IN)")
 
 
@@ -495,6 +502,26 @@ def gateway_group(config, args) -> dict[str, Any]:
     }
 
 
+# Steps of KubeRay's incremental upgrade: a quarter of the capacity (and of the traffic) a minute.
+INCREMENTAL_STEP_PERCENT, INCREMENTAL_INTERVAL_S = 25, 60
+
+
+def upgrade_strategy(args) -> dict[str, Any]:
+    """How KubeRay replaces the cluster when its spec (image, groups) changes; a `serveConfigV2`
+    change alone is applied in place by Serve either way."""
+    if not getattr(args, "incremental_upgrade", None):
+        return {"type": "NewCluster"}
+    return {
+        "type": "NewClusterWithIncrementalUpgrade",
+        "clusterUpgradeOptions": {
+            "gatewayClassName": args.incremental_upgrade,
+            "stepSizePercent": INCREMENTAL_STEP_PERCENT,
+            "intervalSeconds": INCREMENTAL_INTERVAL_S,
+            "maxSurgePercent": INCREMENTAL_STEP_PERCENT,
+        },
+    }
+
+
 def ray_service(config, args) -> dict[str, Any]:
     models = uses_models_volume(config, args)
     autoscaling = any(p.replicas.autoscaling for p in config.pools)
@@ -531,7 +558,7 @@ def ray_service(config, args) -> dict[str, Any]:
         "kind": "RayService",
         "metadata": {"name": args.name, "labels": labels(args.name)},
         "spec": {
-            "upgradeStrategy": {"type": "NewCluster"},
+            "upgradeStrategy": upgrade_strategy(args),
             "serviceUnhealthySecondThreshold": 900,
             "deploymentUnhealthySecondThreshold": 900,
             "serveService": serve_svc,

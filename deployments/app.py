@@ -141,20 +141,20 @@ def gateway_deployment_options(config: ClusterConfig) -> dict[str, Any]:
     }
 
 
-def build_app(
-    config: ClusterConfig | dict[str, Any] | str | os.PathLike | None = None,
-    *,
-    live: LiveState | None = None,
-    keep_pools: Sequence[PoolConfig] = (),
-) -> Application:
+def build_app(config: ClusterConfig | dict[str, Any] | str | os.PathLike | None = None) -> Application:
     """The Serve application of a cluster config (a `ClusterConfig`, its dict, a YAML path,
-    `{"config_path": ...}` as Serve's `args`, or None for the embedded default).
+    `{"config_path": ...}` as Serve's `args`, or None for the embedded default). Serve calls it
+    with one argument when a config file names it by `import_path`."""
+    return build_live_app(_coerce(config))
 
-    With `live` (deployments/live_config.py: what `raylane serve` and `raylane apply` deploy), every
+
+def build_live_app(
+    config: ClusterConfig, live: LiveState | None = None, keep_pools: Sequence[PoolConfig] = ()
+) -> Application:
+    """With `live` (deployments/live_config.py: what `raylane serve` and `raylane apply` deploy), every
     deployment carries a version from its config, so deploying again restarts only what changed, and
     the gateway reads its config from the recorded one that `live` names. `keep_pools`: pools of the
     running app that `config` leaves out, kept while the gateway stops sending them requests."""
-    config = _coerce(config)
     access_log = config.logs.serve_access_log
     has_gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
     pools = {}

@@ -43,7 +43,8 @@ def _raylane_version() -> str:
         return "unknown"
 
 
-# The gateway reads every setting of its config in `reconfigure`: only new raylane code restarts it.
+# The gateway takes every setting of its config in `reconfigure`: only another installed raylane
+# version restarts it (a pool version includes the raylane version too).
 GATEWAY_VERSION = f"gateway-{_raylane_version()}"
 
 

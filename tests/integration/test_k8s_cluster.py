@@ -9,6 +9,7 @@ It is separate from the session's in-process Ray, which runs without a dashboard
 import collections
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -226,10 +227,11 @@ def test_warmup_job_waits_for_replicas_and_prefills_system_prompts(deployed, tmp
 
 
 def test_raylane_serve_redeploys_in_place_while_streams_run(deployed, tmp_path):
-    """`raylane serve --config NEW` against the running cluster: the streams in flight on the old
-    replicas finish while those replicas stop. Serve stops every deployment's old replica before it
-    starts the new one, so requests sent meanwhile wait, or get a 503 naming the pools that are not up
-    yet; none is cut or hangs."""
+    """`raylane serve --config NEW` against a running cluster whose app it did not record (deployed
+    from the manifest's serveConfigV2): the whole app is redeployed. Each deployment starts its new
+    replica beside the old one, and the old one stops only once the new one runs (Serve's surge, one
+    replica), so the streams in flight finish and requests sent meanwhile are answered (at worst a
+    503 naming a pool that is not up yet); none is cut or hangs."""
     import openai
 
     config = yaml.safe_load((REPO / "k8s" / "configs" / "cpu-demo.yaml").read_text())
@@ -244,6 +246,8 @@ def test_raylane_serve_redeploys_in_place_while_streams_run(deployed, tmp_path):
     ended: list[float] = []
     probes: list[tuple[float, float, str]] = []  # (sent at, seconds, outcome): requests meanwhile
     stopping: dict[str, float] = {}  # deployment -> when an old replica was first seen STOPPING
+    first_ids: dict[str, set[str]] = {}  # deployment -> its replicas when the watch began
+    new_seen: dict[str, float] = {}  # deployment -> when a replica not among those was first seen
     redeployed = threading.Event()
 
     def stream(model: str) -> None:
@@ -277,8 +281,12 @@ def test_raylane_serve_redeploys_in_place_while_streams_run(deployed, tmp_path):
             except (AssertionError, OSError):  # the dashboard is busy with the deploy: look again
                 deployments = {}
             for name, d in deployments.items():
-                if any(r["state"] == "STOPPING" for r in d.get("replicas", [])):
+                replicas = d.get("replicas", [])
+                ids = first_ids.setdefault(name, {r["replica_id"] for r in replicas})
+                if any(r["state"] == "STOPPING" for r in replicas):
                     stopping.setdefault(name, time.monotonic())
+                if any(r["replica_id"] not in ids for r in replicas):
+                    new_seen.setdefault(name, time.monotonic())
             time.sleep(0.5)
 
     threads = [threading.Thread(target=stream, args=(m,)) for m in ["chat", "chat", "coding", "reasoning"]]
@@ -301,15 +309,18 @@ def test_raylane_serve_redeploys_in_place_while_streams_run(deployed, tmp_path):
     for t in threads + helpers:
         t.join(timeout=300)
     assert results == ["ok"] * 4, results
-    # Every stream rode an old gateway (and the chat ones an old chat replica) through its stop.
+    # The gateway's and chat's old replicas stopped only once their new ones had started beside them
+    # (seconds of start-up: without the surge the old one stops as the new one is created).
     assert {"Gateway", "ModelPool:chat"} <= set(stopping), stopping
+    for name in ("Gateway", "ModelPool:chat"):
+        assert new_seen.get(name, math.inf) < stopping[name] - 1.0, (name, new_seen, stopping)
     replaced = max(stopping["Gateway"], stopping["ModelPool:chat"])
-    assert min(ended) > replaced, (min(ended) - replaced, stopping)
     # Requests sent while the new replicas start: an answer or a clean 503, never a cut connection.
     assert {o for *_, o in probes} <= {"ok", "503 pool_unavailable"}, probes
     assert any(sent > replaced for sent, *_ in probes), "no request was sent during the replacement"
     outcomes, slowest = collections.Counter(o for *_, o in probes), max(s for _, s, _ in probes)
-    print(f"old replicas stopping {replaced - redeploy_started:.1f} s after the redeploy began; streams "
+    print(f"new replicas beside the old {[round(t - redeploy_started, 1) for t in new_seen.values()]} s and "
+          f"old replicas stopping {replaced - redeploy_started:.1f} s after the redeploy began; streams "
           f"ended {[round(t - redeploy_started, 1) for t in ended]} s after; it returned after "
           f"{redeploy_returned - redeploy_started:.1f} s; requests meanwhile {dict(outcomes)}, the "
           f"slowest {slowest:.1f} s")  # fmt: skip

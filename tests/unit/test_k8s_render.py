@@ -272,3 +272,16 @@ def test_render_refuses_to_give_the_public_demo_key_a_privileged_tier(tmp_path, 
     assert main([*argv, "--out", str(tmp_path / "out"), "--demo-secret"]) == 2
     assert "api_keys.default_tier: 'premium' is privileged" in capsys.readouterr().err
     assert main([*argv, "--out", str(tmp_path / "out")]) == 0  # no public key: the tier is the config's
+
+
+def test_an_incremental_upgrade_is_rendered_as_kuberay_takes_it(tmp_path, crd_schemas):
+    """`--incremental-upgrade CLASS`: KubeRay's NewClusterWithIncrementalUpgrade through that Gateway
+    API class, valid against the RayService CRD; without it, NewCluster."""
+    args = k8s.parse_render_args(["--incremental-upgrade", "istio", "--out", str(tmp_path)], REPO)
+    service = yaml.safe_load(k8s.render_files(args)["rayservice.yaml"])
+    validate(service, crd_schemas)
+    strategy = service["spec"]["upgradeStrategy"]
+    assert strategy["type"] == "NewClusterWithIncrementalUpgrade"
+    assert strategy["clusterUpgradeOptions"]["gatewayClassName"] == "istio"
+    assert 0 < strategy["clusterUpgradeOptions"]["stepSizePercent"] <= 100
+    assert ray_service("k8s/base")["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
