@@ -12,8 +12,8 @@ only what changed restarts, a pool at a time, a replica at a time).
 Against a cluster that already runs the app (RAY_ADDRESS, or a local Ray already serving on the
 port) it applies the new config the same way and returns. An app whose config was not recorded
 (deployed from a Serve config file's `import_path`) is redeployed whole: Serve restarts every
-deployment, each old replica finishing its in-flight requests and streams (up to
-`raylane.deployments.app.GRACEFUL_SHUTDOWN_TIMEOUT_S`) while its replacement starts.
+deployment, each old replica stopping once its replacement runs and finishing its in-flight
+requests and streams first (up to `raylane.deployments.app.GRACEFUL_SHUTDOWN_TIMEOUT_S`).
 """
 
 import argparse
@@ -217,9 +217,7 @@ def redeploy_in_place(config) -> int | None:
                 file=sys.stderr,
             )
             return 2
-        if (
-            live_config.read_state(APP_NAME) is not None
-        ):  # started by `raylane serve`: change only what differs
+        if live_config.read_state(APP_NAME) is not None:  # recorded by `raylane serve`: only the difference
             apply_config(config, APP_NAME)
             return 0
         print(f"raylane: redeploying {APP_NAME} in place; requests in flight finish on the old replicas")

@@ -53,8 +53,7 @@ def digest(data: Any) -> str:
 
 
 def config_digest(config: ClusterConfig) -> str:
-    # `mode="json"` keeps secrets masked: the digest of two configs differing only in a key's value is
-    # the same, so the pickled config itself is compared too (`publish`).
+    # The JSON dump masks inline keys: their own digest tells two configs apart that differ only there.
     return digest([config.model_dump(mode="json"), _secret_digest(config)])
 
 
