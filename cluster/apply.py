@@ -302,13 +302,17 @@ def _finish(app: str, state: LiveState, result: str) -> None:
     applies[result] = applies.get(result, 0) + 1
     live_config.write_state(app, _with(state, applies=applies, apply=None))
     try:
+        import ray
+
         from raylane.deployments.metrics.aggregator import get_aggregator
         from raylane.deployments.metrics.metric_set import sample_key
 
         family = "raylane_config_applies"
         families = {family: ("counter", "Config applies (raylane apply), by result.")}
         deltas = {sample_key(family, f"{family}_total", {"result": result}): 1.0}
-        get_aggregator(app).report.remote(f"apply-{uuid.uuid4().hex[:8]}", 1, families, deltas, {})
+        # Waited for: the command disconnects from Ray right after, which could drop the report.
+        report = get_aggregator(app).report.remote(f"apply-{uuid.uuid4().hex[:8]}", 1, families, deltas, {})
+        ray.get(report, timeout=30)
     except Exception as e:  # the counter is a convenience: the apply itself is done
         print(f"raylane apply: could not count the apply in the metrics: {e!r}", file=sys.stderr)
 
