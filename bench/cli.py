@@ -19,6 +19,7 @@ BENCHMARKS = {
     "gpu-check": "raylane.bench.gpu_check",
     "recovery": "raylane.bench.recovery",
     "report": "raylane.bench.report",
+    "decode-profile": "raylane.bench.decode_profile",
 }
 
 
