@@ -73,11 +73,7 @@ class Router:
         self._healthy: dict[str, bool] = {}
         breaker = config.circuit_breaker
         for pool in pools:
-            self.admission.add_pool(
-                pool.name,
-                capacity=pool.max_in_flight or config.default_max_in_flight,
-                max_waiting=config.default_max_waiting if pool.max_waiting is None else pool.max_waiting,
-            )
+            self.admission.add_pool(pool.name, *_limits(config, pool))
             self.breakers[pool.name] = CircuitBreaker(breaker.failure_threshold, breaker.cooldown_s, clock)
             self._healthy[pool.name] = True
         self.resolver = ModelResolver(config, pools, self.classifier.classify)
@@ -106,12 +102,10 @@ class Router:
         # Nothing below can fail: the switch is whole.
         breaker = config.circuit_breaker
         for pool in pools:
-            capacity = pool.max_in_flight or config.default_max_in_flight
-            max_waiting = config.default_max_waiting if pool.max_waiting is None else pool.max_waiting
             if pool.name in self.pools:
-                self.admission.resize(pool.name, capacity, max_waiting)
+                self.admission.resize(pool.name, *_limits(config, pool))
             else:
-                self.admission.add_pool(pool.name, capacity, max_waiting)
+                self.admission.add_pool(pool.name, *_limits(config, pool))
                 self.breakers[pool.name] = CircuitBreaker(
                     breaker.failure_threshold, breaker.cooldown_s, self.admission.clock
                 )
@@ -200,6 +194,12 @@ class Router:
 
     def model_names(self) -> list[str]:
         return self.resolver.model_names()
+
+
+def _limits(config: RouterConfig, pool: PoolSpec) -> tuple[int, int]:
+    """(requests the pool takes at once, requests that may wait for it)."""
+    max_waiting = config.default_max_waiting if pool.max_waiting is None else pool.max_waiting
+    return pool.max_in_flight or config.default_max_in_flight, max_waiting
 
 
 def _fits(pool: PoolSpec, prompt_tokens: int | None) -> bool:
