@@ -3,10 +3,12 @@
 import json
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from raylane.config import RouterConfig
-from raylane.router.classifier import SemanticClassifier
+from raylane.router import classifier as classifier_module
+from raylane.router.classifier import SemanticClassifier, fitted_head
 from raylane.router.dataset import (
     CONVERSATIONS_DEV_PATH,
     CONVERSATIONS_EVAL_PATH,
@@ -287,6 +289,41 @@ def test_a_route_defined_by_a_few_config_examples_is_learned(classifier):
     handshake = user("Is a handshake deal enforceable if nothing was signed?")
     assert with_legal.classify([handshake]).route == "legal"
     assert with_legal.classify([user("What's a good birthday gift for my dad?")]).route == "chat"
+
+
+def count_fits(monkeypatch) -> list[int]:
+    """SoftmaxRegression.fit, counted: one entry per head actually trained."""
+    fits, fit = [], classifier_module.SoftmaxRegression.fit.__func__
+    counted = classmethod(lambda cls, *args, **kw: fits.append(1) or fit(cls, *args, **kw))
+    monkeypatch.setattr(classifier_module.SoftmaxRegression, "fit", counted)
+    return fits
+
+
+def test_a_trained_head_is_cached_by_its_exact_inputs(monkeypatch, tmp_path):
+    monkeypatch.setenv("RAYLANE_CACHE_DIR", str(tmp_path))
+    fits = count_fits(monkeypatch)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(60, 8)), rng.integers(0, 3, size=60)
+    first = fitted_head(x, y, num_classes=3, l2=1e-4)
+    again = fitted_head(x, y, num_classes=3, l2=1e-4)
+    assert len(fits) == 1  # the second came from the file the first wrote
+    np.testing.assert_array_equal(again.weights, first.weights)
+    np.testing.assert_array_equal(again.bias, first.bias)
+    # Any other input trains anew: other labels, other features, another regularisation.
+    fitted_head(x, (y + 1) % 3, num_classes=3, l2=1e-4)
+    fitted_head(x + 1e-9, y, num_classes=3, l2=1e-4)
+    fitted_head(x, y, num_classes=3, l2=1e-3)
+    assert len(fits) == 4
+
+
+def test_a_restarted_gateway_trains_no_head(classifier, monkeypatch):
+    """The module's classifier has fitted (or found) the heads of the default routes: a gateway
+    replica starting with the same routes finds both and decides as that one does."""
+    fits = count_fits(monkeypatch)
+    restarted = SemanticClassifier(RouterConfig(), encoder=classifier.encoder)
+    assert fits == []
+    for text in ("Fix this Python traceback for me.", "Solve 3x + 5 = 20.", "Any tips for Lisbon?"):
+        assert restarted.classify([user(text)]) == classifier.classify([user(text)])
 
 
 def test_cli_prints_one_json_decision_per_line(classifier, monkeypatch, capsys, tmp_path):
