@@ -11,10 +11,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 # Measured first, before the session-scoped router app exists: with its four replicas idling beside
-# it (health probes every 0.5 s, metric reports), the flood's CPU on two cores pushed premium TTFT
+# them (health probes every 0.5 s, metric reports), the floods' CPU on two cores pushed premium TTFT
 # from a median 1.48x of unloaded (seven runs alone) to 1.73x, then past the 2x bound, in two runs
-# after test_poisoned_requests, and to 2.01x in one whole-suite run.
-MEASURED_ON_A_QUIET_MACHINE = ("tests/reliability/test_overload.py",)
+# after test_poisoned_requests, and to 2.01x in one whole-suite run; and the noisy neighbour's
+# victim from 99 ms (p95, alone) to 141-227 ms unloaded, and past its 2x bound in two whole-suite
+# runs in a row (2.5x and 2.8x, the same class 1.4x alone).
+MEASURED_ON_A_QUIET_MACHINE = (
+    "tests/reliability/test_overload.py",
+    "tests/reliability/test_noisy_neighbour.py",
+)
 
 
 def pytest_collection_modifyitems(items):

@@ -386,10 +386,18 @@ class Gateway:
     async def read_charged(self, request: Request, principal: Principal) -> bytes:
         """The body's bytes (413 past the limit), charged to the key's rate limit before anything
         reads them: one request and the prompt's estimate, `PROMPT_BYTES_PER_TOKEN` bytes a token
-        (429 when over it). A key already over its limit costs this replica a look-up: its body is
-        not read."""
+        (429 when over it). A body with a Content-Length is charged on it before a byte is read, so
+        a key that cannot afford its body, or is over its limit already, costs this replica a
+        look-up (Serve's proxy then never forwards the body either); a chunked body is charged once
+        read, within the byte limit."""
         self.router.precheck_rate(principal)  # a key over its limits: 429 without reading its body
-        body = await read_body(request, self.config.gateway.max_request_body_bytes)
+        max_bytes = self.config.gateway.max_request_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) <= max_bytes:  # (HTTP/1.1 framing holds it to that)
+            charge = self.router.check_rate(principal, int(declared) // PROMPT_BYTES_PER_TOKEN)
+            request.state.rate_charge = charge
+            return await read_body(request, max_bytes)
+        body = await read_body(request, max_bytes)
         request.state.rate_charge = self.router.check_rate(principal, len(body) // PROMPT_BYTES_PER_TOKEN)
         return body
 

@@ -10,7 +10,9 @@ with. The keys are unique per run, so finding one in a log file means this run w
 import hashlib
 import json
 import uuid
+from http.client import HTTPConnection
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx2
 import pytest
@@ -19,15 +21,16 @@ from tests.reliability.test_untrusted_input import assert_openai_error
 
 APP = "auth"
 RUN = uuid.uuid4().hex[:12]
-TIERS = ("premium", "free", "limited", "metered", "embedder", "counter")
+TIERS = ("premium", "free", "limited", "metered", "embedder", "counter", "sized")
 KEYS = {tier: f"sk-canary-{tier}-{RUN}" for tier in TIERS}
 WRONG_KEY = f"sk-canary-wrong-{RUN}"
-PRIORITY = {"premium": 0, "limited": 1, "metered": 1, "embedder": 1, "counter": 1, "free": 2}
+PRIORITY = {"premium": 0, "limited": 1, "metered": 1, "embedder": 1, "counter": 1, "sized": 1, "free": 2}
 LIMITS = {
     "limited": {"requests_per_minute": 3},
     "metered": {"tokens_per_minute": 50},
     "embedder": {"tokens_per_minute": 100},
     "counter": {"tokens_per_minute": 100},
+    "sized": {"tokens_per_minute": 1000},
 }
 HI = [{"role": "user", "content": "hi"}]
 
@@ -184,6 +187,29 @@ def test_a_streamed_answer_is_charged_its_tokens(http):
     r = http.post("/v1/chat/completions", json=hi, headers=bearer(KEYS["metered"]))
     assert assert_openai_error(r, 429)["code"] == "rate_limit_exceeded"
     assert "tokens/min" in r.json()["error"]["message"]
+
+
+def test_a_body_the_key_cannot_afford_is_refused_before_it_is_sent(http, keyed):
+    """A body is charged on its Content-Length before the gateway reads it: with part of its 1,000
+    tokens a minute spent, a key announcing 40,000 bytes (~10,000 tokens) gets its 429 while it has
+    sent only the headers, rather than once the gateway has taken in a body it was not going to
+    serve. (Before, the gateway waited for the body: this request got no answer at all.)"""
+    hi = {"model": "chat", "messages": HI, "max_tokens": 1}
+    assert http.post("/v1/chat/completions", json=hi, headers=bearer(KEYS["sized"])).status_code == 200
+    url = urlsplit(keyed)
+    conn = HTTPConnection(url.hostname, url.port, timeout=30)
+    try:
+        conn.putrequest("POST", f"{url.path}/v1/chat/completions")
+        for name, value in {**bearer(KEYS["sized"]), "Content-Type": "application/json"}.items():
+            conn.putheader(name, value)
+        conn.putheader("Content-Length", "40000")
+        conn.endheaders()  # and no body
+        response = conn.getresponse()
+        error = json.loads(response.read())["error"]
+    finally:
+        conn.close()
+    assert response.status == 429 and error["code"] == "rate_limit_exceeded", error
+    assert "tokens/min" in error["message"] and int(response.getheader("retry-after")) >= 1
 
 
 @pytest.mark.parametrize(
