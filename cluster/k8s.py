@@ -10,7 +10,9 @@ From one `ClusterConfig` it writes a kustomize directory:
   replicas land on its own group; a CPU `gateway` group holds the gateway (and its router). The
   head runs no replicas (`num-cpus: 0`) and has no GPU. `upgradeStrategy: NewCluster`: a changed
   cluster spec (image, groups) starts a new RayCluster and moves traffic once it serves; a changed
-  `serveConfigV2` alone is rolled out in place by Serve. Ray's token authentication is on
+  `serveConfigV2` alone is rolled out in place by Serve. The `router` and `embeddings` sections
+  are the Gateway deployment's `user_config`, not `args`, so an edit of them reconfigures the
+  gateway's replicas and restarts no pool. Ray's token authentication is on
   (`authOptions.mode: token`, KubeRay >= 1.5.1, Ray >= 2.52): the operator generates the token
   Secret and sets RAY_AUTH_MODE / RAY_AUTH_TOKEN in every Ray container, so GCS, dashboard and
   client answer only holders of the token (the health endpoints the probes use stay open).
@@ -48,6 +50,7 @@ from typing import Any
 import yaml
 
 from raylane.cluster.serve_env import SERVE_ENV
+from raylane.config import GATEWAY_SECTIONS
 
 HTTP_PORT_NAME, METRICS_PORT, DASHBOARD_PORT, GCS_PORT, CLIENT_PORT = "serve", 8080, 8265, 6379, 10001
 AGENT_PORT = 52365
@@ -278,13 +281,23 @@ def pool_resource(pool_name: str) -> str:
 
 
 def app_args(config) -> dict[str, Any]:
-    """The config as the application builder's `args` (JSON-safe; no secrets)."""
+    """The config as the application builder's `args` (JSON-safe; no secrets), less the sections
+    the gateway alone reads (`gateway_sections`). Tiers and keys stay here: the args must validate
+    alone, and keys name tiers (the keys themselves come from the Secret, re-read as it changes)."""
     if config.api_keys.keys:
         raise RenderError(
             "api_keys.keys: inline keys cannot go into a manifest; "
             "use api_keys.file or api_keys.env (filled from the Secret)"
         )
-    return config.model_dump(mode="json", exclude_defaults=True)
+    return config.model_dump(mode="json", exclude_defaults=True, exclude=set(GATEWAY_SECTIONS))
+
+
+def gateway_sections(config) -> dict[str, Any]:
+    """The Gateway deployment's Serve `user_config`: the sections only it reads (GATEWAY_SECTIONS),
+    taken in place by `Gateway.reconfigure`, so that editing the routes or the embeddings settings
+    in serveConfigV2 restarts no pool."""
+    sections = config.model_dump(mode="json", exclude_defaults=True, include=set(GATEWAY_SECTIONS))
+    return {"sections": sections}
 
 
 # A replica is pinned to a pod of its group, and the groups hold as many pods as replicas: a surge
@@ -308,7 +321,14 @@ def serve_config(config) -> dict[str, Any]:
         )
     gateway = gateway_deployment_options(config)
     actor = {**gateway["ray_actor_options"], "resources": {GATEWAY_RESOURCE: 1}}
-    deployments.append({"name": gateway["name"], "ray_actor_options": actor, "max_surge_percent": NO_SURGE})
+    deployments.append(
+        {
+            "name": gateway["name"],
+            "ray_actor_options": actor,
+            "max_surge_percent": NO_SURGE,
+            "user_config": gateway_sections(config),
+        }
+    )
     http: dict[str, Any] = {"host": "0.0.0.0", "port": config.http.port}
     if config.http.request_timeout_s is not None:
         http["request_timeout_s"] = config.http.request_timeout_s

@@ -16,6 +16,7 @@ Where a named model's checkpoint is on a node is not config: `models/sources.py`
 from raylane.config.base import StrictModel
 from raylane.config.cluster import (
     DEFAULT_CONFIG_PATH,
+    GATEWAY_SECTIONS,
     RESERVED_MODEL_IDS,
     ClusterConfig,
     EmbeddingsConfig,
@@ -58,6 +59,7 @@ __all__ = [
     "ApiKeysConfig",
     "CircuitBreakerConfig",
     "ClusterConfig",
+    "GATEWAY_SECTIONS",
     "ConfigError",
     "compile_route_regex",
     "ConversationWeights",

@@ -143,6 +143,14 @@ class EmbeddingsConfig(StrictModel):
     max_inputs: int = Field(2048, ge=1, description="Most texts in one request.")
 
 
+# Sections that only the gateway reads, and takes in place. A KubeRay manifest carries them in the
+# Gateway deployment's Serve `user_config`, not in the app's `args` (cluster/k8s.py): Serve versions
+# every deployment of a declarative app by its `args`, so an edit there restarts every pool replica,
+# while a new user config reconfigures the gateway's replicas in place. (`gateway` stays in `args`:
+# its replica count and CPUs shape the deployment itself.)
+GATEWAY_SECTIONS = ("router", "embeddings")
+
+
 class ClusterConfig(StrictModel):
     """The whole cluster: what `raylane serve`, the Serve app and the KubeRay manifests are built from."""
 
@@ -187,6 +195,12 @@ class ClusterConfig(StrictModel):
 
     def pool(self, name: str) -> PoolConfig:
         return next(p for p in self.pools if p.name == name)
+
+    def with_sections(self, sections: dict[str, Any], source: str = "config") -> ClusterConfig:
+        """This config with `sections` (top-level sections, as a config file writes them) in place of
+        its own, validated as a whole; ConfigError naming the field."""
+        written = {name: getattr(self, name) for name in self.model_fields_set}  # defaults stay defaults
+        return ClusterConfig.from_dict(written | sections, source)
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "config") -> ClusterConfig:

@@ -103,4 +103,8 @@ def load_config(args, details: dict | None = None):
         return None
     if set(app_args) == {"config_path"}:
         return ClusterConfig.from_yaml(app_args["config_path"])
-    return ClusterConfig.from_dict(app_args, source="the deployed application's args")
+    config = ClusterConfig.from_dict(app_args, source="the deployed application's args")
+    # A manifest's gateway sections travel as the Gateway's user config (cluster/k8s.py).
+    gateway = [d for d in deployed.get("deployments", []) if d.get("name") == "Gateway"]
+    sections = (gateway[0].get("user_config") or {}).get("sections") if gateway else None
+    return config.with_sections(sections, "the Gateway's user_config") if sections else config

@@ -181,19 +181,29 @@ class Gateway:
         self.dispatcher = Dispatcher(self.config, self.router, self.pools, self.pool_health, self.drain)
         self._stored_responses: StoredResponses | None = None
         self.affinity = ConversationAffinity(self.config.router.affinity)
+        self.built_config = self.config  # what the app was built with, before any user config
         self.config_generation: int | None = None  # set by `reconfigure` when the app is live-configurable
         self.config_digest: str | None = None
         self._reconfiguring = asyncio.Lock()
 
     async def reconfigure(self, user_config: dict) -> None:
-        """Serve calls this when the app's gateway user config changes (`raylane apply`), and once
-        after `__init__`: take the config it names (deployments/live_config.py) in place. Requests in
-        flight keep their slots, charges and pool calls; keys' rate-limit spending, circuit breakers
-        and affinities carry over; pools added get a handle, pools removed get no new requests."""
+        """Serve calls this when the app's gateway user config changes (`raylane apply`, or an edit
+        of a manifest's serveConfigV2), and once after `__init__`: take the config it names
+        (deployments/live_config.py), or the sections it carries (cluster/k8s.py), in place.
+        Requests in flight keep their slots, charges and pool calls; keys' rate-limit spending,
+        circuit breakers and affinities carry over; pools added get a handle, pools removed get no
+        new requests."""
         async with self._reconfiguring:
-            generation, digest = user_config["config_generation"], user_config["config_digest"]
             context = serve.get_replica_context()
             app_name = context.app_name
+            if "sections" in user_config:
+                source = "the Gateway deployment's user_config"
+                config = self.built_config.with_sections(user_config["sections"], source)
+                if config != self.config:
+                    await self._take(config, app_name)
+                    logger.info("gateway sections of the user config applied in place")
+                return
+            generation, digest = user_config["config_generation"], user_config["config_digest"]
             if self.config_digest is None and digest == live_config.config_digest(self.config):
                 self.config_digest = digest  # the config it was started with
             if digest != self.config_digest:

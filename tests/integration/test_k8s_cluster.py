@@ -158,6 +158,37 @@ def test_the_manifests_serve_config_serves_chat(deployed):
     assert reply.usage.completion_tokens > 0 and reply.choices[0].message.content
 
 
+def test_a_route_edit_reconfigures_the_gateway_and_restarts_no_pool(deployed):
+    """An operator edits the routes in serveConfigV2 (KubeRay PUTs the new config): the gateway takes
+    them in place, from its deployment's user config, and every replica keeps running."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{deployed.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    coding = [{"role": "user", "content": "Write a Python function that parses a CSV file."}]
+
+    def pool_of_auto() -> str:
+        reply = client.chat.completions.with_raw_response.create(model="auto", messages=coding, max_tokens=1)
+        return reply.headers["x-raylane-pool"]
+
+    def replicas() -> dict[str, set[str]]:
+        deployments = deployed.app()["deployments"]
+        return {name: {r["replica_id"] for r in d["replicas"]} for name, d in deployments.items()}
+
+    assert pool_of_auto() == "coding"
+    before = replicas()
+    edited = json.loads(json.dumps(deployed.serve_config))
+    (gateway,) = [d for d in edited["applications"][0]["deployments"] if d["name"] == "Gateway"]
+    gateway["user_config"]["sections"]["router"] = {"routes": [{"name": "chat", "pool": "chat"}]}
+    deployed.deploy(edited)
+    try:
+        wait_until(lambda: pool_of_auto() == "chat", 120, "auto routed by the edited routes")
+        assert replicas() == before  # the pools' and the gateway's: reconfigured, not restarted
+        assert deployed.app()["status"] == "RUNNING"
+    finally:
+        deployed.deploy(deployed.serve_config)
+        wait_until(lambda: pool_of_auto() == "coding", 120, "auto routed by the manifest's routes")
+
+
 def routes_supported(url: str) -> bool:
     """Whether the gateway routes `model: auto` yet (the router's wiring lands separately)."""
     import openai

@@ -285,3 +285,15 @@ def test_haproxy_folders_of_stopped_clusters_are_removed_and_running_ones_kept(t
     assert os.path.dirname(mine) == str(tmp_path) and os.path.isdir(mine)
     assert env["RAY_SERVE_HAPROXY_SOCKET_PATH"].startswith(mine)
     assert len({env[name] for name in serve_env.HAPROXY_PORTS}) == len(serve_env.HAPROXY_PORTS)
+
+
+def test_a_config_takes_new_sections_validated_as_a_whole():
+    """What a gateway does with the sections a manifest gives it as its user config (cluster/k8s.py)."""
+    base = ClusterConfig.from_dict({"pools": [{"name": "chat", "model": "demo:raylane-llama-tiny"}]})
+    routed = base.with_sections({"router": {"routes": [{"name": "chat", "pool": "chat"}]}})
+    assert [r.name for r in routed.router.routes] == ["chat"] and routed.pools == base.pools
+    assert base.with_sections({}) == base  # its default routes name pools it lacks, and stay valid
+    wrong = {"router": {"routes": [{"name": "chat", "pool": "coding"}]}}
+    named = r"(?s)user config.*router\.routes\[0\]\.pool: 'coding' is not a pool"
+    with pytest.raises(ConfigError, match=named):
+        base.with_sections(wrong, "user config")
