@@ -1,10 +1,9 @@
 """Multinomial logistic regression in numpy: the classifier's head on sentence embeddings.
 
 Nesterov-accelerated gradient descent, at start-up rather than shipped as a second artefact that
-could drift from the dataset: the router's 819 examples of 4,480 features (embedding and n-grams)
-take 8-10 CPU-s on a two-core EPYC, so the result is cached by its exact inputs
-(raylane.router.classifier.fitted_head). L2 regularisation keeps the probabilities honest enough
-to use as a confidence.
+could drift from the dataset; the result is cached by its exact inputs, since the router's training
+set takes seconds (raylane.router.classifier.fitted_head). L2 regularisation keeps the
+probabilities honest enough to use as a confidence.
 """
 
 from dataclasses import dataclass

@@ -159,9 +159,13 @@ def test_the_manifests_serve_config_serves_chat(deployed):
 
 
 def test_a_route_edit_reconfigures_the_gateway_and_restarts_no_pool(deployed):
-    """An operator edits the routes in serveConfigV2 (KubeRay PUTs the new config): the gateway takes
-    them in place, from its deployment's user config, and every replica keeps running."""
+    """An operator edits the routes in the cluster config and renders it again (`raylane k8s sync`),
+    and KubeRay PUTs the new serveConfigV2: the gateway takes them in place, and every replica keeps
+    running."""
     import openai
+
+    from raylane.cluster import k8s
+    from raylane.config import ClusterConfig
 
     client = openai.OpenAI(base_url=f"{deployed.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
     coding = [{"role": "user", "content": "Write a Python function that parses a CSV file."}]
@@ -176,9 +180,10 @@ def test_a_route_edit_reconfigures_the_gateway_and_restarts_no_pool(deployed):
 
     assert pool_of_auto() == "coding"
     before = replicas()
-    edited = json.loads(json.dumps(deployed.serve_config))
-    (gateway,) = [d for d in edited["applications"][0]["deployments"] if d["name"] == "Gateway"]
-    gateway["user_config"]["sections"]["router"] = {"routes": [{"name": "chat", "pool": "chat"}]}
+    config = yaml.safe_load((REPO / "k8s" / "configs" / "cpu-demo.yaml").read_text())
+    config["router"] = {"routes": [{"name": "chat", "pool": "chat"}]}
+    edited = k8s.serve_config(ClusterConfig.from_dict(config))
+    edited["http_options"] = deployed.serve_config["http_options"]  # as the fixture's
     deployed.deploy(edited)
     try:
         wait_until(lambda: pool_of_auto() == "chat", 120, "auto routed by the edited routes")
