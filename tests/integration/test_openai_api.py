@@ -70,8 +70,17 @@ def tokenizer():
 
 
 def prompt_tokens(tokenizer, messages, tools=None) -> int:
-    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    return len(tokenizer.encode(text, add_special_tokens=False))
+    """Transformers' count of the conversation's prompt. Control tokens inside message text count as
+    the plain text they are (a sampled answer fed back may hold `<tool_call>`), as pools encode them."""
+    ids = tokenizer.apply_chat_template(
+        messages,
+        tools=tools,
+        add_generation_prompt=True,
+        tokenize=True,
+        sanitize_control_tokens=True,
+        return_dict=False,
+    )
+    return len(ids)
 
 
 def collect_stream(stream):
