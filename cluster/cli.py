@@ -23,6 +23,10 @@ SUBCOMMANDS = {
         "raylane.cluster.route",
         "show the semantic router's decisions for prompts, or its accuracy (--eval)",
     ),
+    "batch": (
+        "raylane.cluster.batch_run",
+        "run a batch file (OpenAI's batch JSONL) on the cluster with Ray Data, on spare capacity",
+    ),
     "status": (
         "raylane.cluster.status",
         "show the live cluster's pools, replicas, load, tokens/s and errors",

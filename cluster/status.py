@@ -85,7 +85,21 @@ def collect(app_name: str = "raylane") -> tuple[list[PoolRow], dict]:
         app_wide["message"] = "no metrics yet (the app has not reported since it started)"
     rows.sort(key=lambda r: (r.name == "Gateway", r.name))
     _add_live_config(app_name, rows, app_wide)
+    app_wide["batches"] = _batches(app_name)
     return rows, app_wide
+
+
+def _batches(app_name: str) -> list[dict]:
+    """The app's batches not yet ended, with their progress (none when it never ran a batch)."""
+    import ray
+
+    from raylane.deployments.batch.service import NAMESPACE, service_name
+
+    try:
+        actor = ray.get_actor(service_name(app_name), namespace=NAMESPACE)
+        return ray.get(actor.active_batches.remote(), timeout=30)
+    except (ValueError, ray.exceptions.RayError):
+        return []
 
 
 def _add_live_config(app_name: str, rows: list[PoolRow], app_wide: dict) -> None:
@@ -210,7 +224,30 @@ def render(rows: list[PoolRow], app_wide: dict) -> str:
         )
     if app_wide.get("message"):
         footer += f"   ({app_wide['message']})"
-    return "\n".join([*lines, "", footer])
+    return "\n".join([*lines, "", footer, *_render_batches(app_wide.get("batches") or [])])
+
+
+def _render_batches(batches: list[dict]) -> list[str]:
+    if not batches:
+        return []
+    table = [["BATCH", "ENDPOINT", "STATUS", "DONE", "FAILED", "TOTAL"]]
+    for b in batches:
+        counts = b["request_counts"]
+        table.append(
+            [
+                b["id"],
+                b["endpoint"],
+                b["status"],
+                str(counts["completed"]),
+                str(counts["failed"]),
+                str(counts["total"]),
+            ]
+        )
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+    return [
+        "",
+        *("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in table),
+    ]
 
 
 def _num(value: float | None, digits: int = 0) -> str:

@@ -16,6 +16,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from raylane.config.base import StrictModel
+from raylane.config.batch import BATCH_TIER, BatchConfig
 from raylane.config.errors import ConfigError, format_errors
 from raylane.config.pools import PoolConfig
 from raylane.config.router import ApiKeysConfig, RouterConfig, Tiers, default_tiers
@@ -168,6 +169,9 @@ class ClusterConfig(StrictModel):
         default_factory=ApiKeysConfig, description="API keys and their tiers; none = open development mode."
     )
     logs: LogsConfig = Field(default_factory=LogsConfig, description="What Ray Serve itself logs.")
+    batch: BatchConfig = Field(
+        default_factory=BatchConfig, description="The Batch API (/v1/files, /v1/batches) on spare capacity."
+    )
 
     @model_validator(mode="after")
     def _unique_ids(self) -> ClusterConfig:
@@ -181,6 +185,8 @@ class ClusterConfig(StrictModel):
                     raise ValueError(f"{where}: {model_id!r} is already used by pool {owner[model_id]!r}")
                 owner[model_id] = pool.name
         self.api_keys.check_tiers([t.name for t in self.tiers])
+        if BATCH_TIER in (t.name for t in self.tiers):
+            raise ValueError(f"tiers: {BATCH_TIER!r} is the Batch API's own tier; name yours otherwise")
         if (
             "router" in self.model_fields_set
         ):  # the default routes name the default pools; a written one must fit

@@ -8,6 +8,7 @@ tiers, routes, tiny pool capacities, and pools whose failures a test can switch 
 import contextlib
 import os
 import signal
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,10 +42,12 @@ def make_cluster_config(demo_models: dict, port: int):
     from raylane.config import ClusterConfig
 
     engine = {"max_num_seqs": 16, "num_kv_blocks": 256, "cpus_per_rank": 0.5, "seed": 0}
+    batch_dir = tempfile.mkdtemp(prefix="raylane-batch-")  # this session's batches only
     return ClusterConfig.from_dict(
         {
             "http": {"host": "127.0.0.1", "port": port},
             "gateway": {"num_cpus": 0.1},
+            "batch": {"store": f"{batch_dir}/batch.sqlite3", "files_dir": f"{batch_dir}/files"},
             "pools": [
                 {
                     "name": "chat",
@@ -126,11 +129,13 @@ def make_router_config(demo_models: dict, port: int):
     routes = [r.model_dump() | {"fallbacks": fallbacks[r.name]} for r in default_routes()]
     wait = {"max_queue_depth": 16, "max_queue_wait_s": 300}
     free = {"name": "free", "priority": 2, "max_queue_depth": 0, "max_queue_wait_s": 1, "sheddable": True}
+    batch_dir = tempfile.mkdtemp(prefix="raylane-router-batch-")
     return ClusterConfig.from_dict(
         {
             "http": {"host": "127.0.0.1", "port": port},
             "gateway": {"num_cpus": 0.1, "pool_health_period_s": 0.5},
             "embeddings": {"enabled": False},
+            "batch": {"store": f"{batch_dir}/batch.sqlite3", "files_dir": f"{batch_dir}/files"},
             "pools": [
                 {"name": "coding", "model": llama, "engine": engine, "max_in_flight": 2},
                 {"name": "reasoning", "model": llama, "engine": engine | {"max_model_len": 64}},

@@ -17,6 +17,7 @@ requests in flight finish.
 """
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -30,8 +31,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from raylane.bounded_worker import BoundedWorker, WorkerBusy, WorkerTimeout, start_forkserver
 from raylane.config import ClusterConfig
+from raylane.config.batch import batch_tier
 from raylane.deployments import live_config
+from raylane.deployments.batch.service import store_paths
 from raylane.deployments.gateway.affinity import ConversationAffinity
+from raylane.deployments.gateway.batch_api import BatchApi, list_limit, owner, page
 from raylane.deployments.gateway.dispatch import Dispatcher, error_response
 from raylane.deployments.gateway.drain import RETRY_AFTER_S, DrainWatcher
 from raylane.deployments.gateway.embeddings import create_embeddings, return_large_buffers
@@ -50,6 +54,14 @@ from raylane.deployments.gateway.response_store import response_store
 from raylane.deployments.gateway.responses_api import StoredResponses
 from raylane.deployments.gateway.routing import build_router, classifier_for, update_router
 from raylane.deployments.metrics.gateway import render_cluster_metrics, set_config_generation
+from raylane.deployments.protocol.batch_schemas import (
+    Batch,
+    BatchCreateRequest,
+    BatchList,
+    FileDeleted,
+    FileList,
+    FileObject,
+)
 from raylane.deployments.protocol.errors import (
     OpenAIError,
     client_error,
@@ -93,10 +105,17 @@ from raylane.deployments.protocol.tokenization_schemas import (
     tokenize_request_model,
 )
 from raylane.deployments.protocol.wire import PoolRequest
-from raylane.router import Principal, RouterError
+from raylane.router import Principal, RateCharge, RouterError
 from raylane.router.errors import OverloadedError
 
 logger = logging.getLogger(__name__)
+# The Gateway method that serves each endpoint a batch line may name (config.batch.BATCH_ENDPOINTS).
+BATCH_SERVERS = {
+    "/v1/chat/completions": "serve_chat",
+    "/v1/completions": "serve_completions",
+    "/v1/embeddings": "serve_embeddings",
+    "/v1/responses": "serve_responses",
+}
 # What the gateway's grammar-check workers import (deployments/protocol/sampling.py builds the grammars).
 GRAMMAR_PRELOAD = ("raylane.deployments.protocol.sampling",)
 # The prompt's token estimate charged before the body is parsed: JSON text runs about four bytes a
@@ -185,6 +204,10 @@ class Gateway:
         self.config_generation: int | None = None  # set by `reconfigure` when the app is live-configurable
         self.config_digest: str | None = None
         self._reconfiguring = asyncio.Lock()
+        self.batch_api = BatchApi(context.app_name, self.config)
+        self.batch_tier = batch_tier(list(self.config.tiers), self.config.batch)
+        if self.config.batch.enabled and store_paths(context.app_name, self.config.batch)[0].exists():
+            self.batch_api.service  # noqa: B018  (batches of an earlier run may wait: take them up)
 
     async def reconfigure(self, user_config: dict) -> None:
         """Serve calls this when the app's gateway user config changes (`raylane apply`, or an edit
@@ -232,7 +255,8 @@ class Gateway:
             config.gateway.grammar_check_timeout_s != self.config.gateway.grammar_check_timeout_s
         ):
             self.grammar_worker = None  # the next grammar starts one with the new bound
-        self.config = self.dispatcher.config = config
+        self.config = self.dispatcher.config = self.batch_api.config = config
+        self.batch_tier = batch_tier(list(config.tiers), config.batch)
 
     # -- endpoints --------------------------------------------------------------------------------
 
@@ -242,8 +266,11 @@ class Gateway:
     async def chat_completions(self, request: Request) -> Response:
         principal = self.authenticate(request)
         body = await self.read_charged(request, principal)  # the rate limit, before any parsing
+        return await self.serve_chat(principal, body, request.state.rate_charge)
+
+    async def serve_chat(self, principal: Principal, body: bytes, charge: RateCharge) -> Response:
         req = await parse_bytes(body, ChatCompletionRequest)
-        self.charge_output(request, principal, req.max_output_tokens, req.n)
+        self.charge_output(principal, charge, req.max_output_tokens, req.n)
         params, tools = await self.prepare(chat_params, req, principal)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         resolution, conversation = await router_timed(
@@ -251,7 +278,7 @@ class Gateway:
         )
         pool_request = PoolRequest("chat", req, params, uuid.uuid4().hex, tools=tools)
         response = await self.dispatcher.dispatch(
-            principal, resolution, pool_request, req.n, bool(req.stream), request.state.rate_charge
+            principal, resolution, pool_request, req.n, bool(req.stream), charge
         )
         self.affinity.served(conversation, resolution, response)  # later turns of `auto` stay on its pool
         return response
@@ -260,9 +287,12 @@ class Gateway:
     async def completions(self, request: Request) -> Response:
         principal = self.authenticate(request)
         body = await self.read_charged(request, principal)  # the rate limit, before any parsing
+        return await self.serve_completions(principal, body, request.state.rate_charge)
+
+    async def serve_completions(self, principal: Principal, body: bytes, charge: RateCharge) -> Response:
         req = await parse_bytes(body, CompletionRequest)
         self.check_batch(len(req.prompts()))
-        self.charge_output(request, principal, req.max_output_tokens, req.n * len(req.prompts()))
+        self.charge_output(principal, charge, req.max_output_tokens, req.n * len(req.prompts()))
         params = await self.prepare(completion_params, req, principal)
         texts = [p for p in req.prompts() if isinstance(p, str)]
         resolution = await router_timed(
@@ -270,19 +300,22 @@ class Gateway:
         )
         pool_request = PoolRequest("completions", req, params, uuid.uuid4().hex)
         return await self.dispatcher.dispatch(
-            principal, resolution, pool_request, req.n, bool(req.stream), request.state.rate_charge
+            principal, resolution, pool_request, req.n, bool(req.stream), charge
         )
 
     @app.post("/v1/embeddings", **route_docs(EmbeddingResponse, EmbeddingRequest))
     async def embeddings(self, request: Request) -> Response:
         principal = self.authenticate(request)  # MiniLM runs here: keyed like every other endpoint
         body = await self.read_charged(request, principal)  # its tokens estimated, before parsing
+        return await self.serve_embeddings(principal, body, request.state.rate_charge)
+
+    async def serve_embeddings(self, principal: Principal, body: bytes, charge: RateCharge) -> Response:
         req = await parse_bytes(body, EmbeddingRequest)
         response = await create_embeddings(self.config.embeddings, req)
         # MiniLM's tokenizer reads every byte though the model reads only 256 tokens of an input:
         # settled with its count, never below the body's estimate.
         estimate = len(body) // PROMPT_BYTES_PER_TOKEN
-        request.state.rate_charge.settle(max(response.usage.prompt_tokens, estimate))
+        charge.settle(max(response.usage.prompt_tokens, estimate))
         return Response(response.to_json(), media_type="application/json")
 
     @app.post("/tokenize", **route_docs(TokenizeResponse, (TokenizeChatRequest, TokenizeCompletionRequest)))
@@ -311,8 +344,11 @@ class Gateway:
         for `previous_response_id`."""
         principal = self.authenticate(request)
         body = await self.read_charged(request, principal)  # the rate limit, before any parsing
+        return await self.serve_responses(principal, body, request.state.rate_charge)
+
+    async def serve_responses(self, principal: Principal, body: bytes, charge: RateCharge) -> Response:
         req = await parse_bytes(body, ResponsesRequest)
-        self.charge_output(request, principal, req.max_output_tokens, 1)
+        self.charge_output(principal, charge, req.max_output_tokens, 1)
         check_supported(req)
         previous = req.previous_response_id
         history = await self.stored_responses.history(previous, principal) if previous else []
@@ -326,7 +362,7 @@ class Gateway:
         echoed = echo(req, new_response_id(), previous)
         pool_request = PoolRequest("responses", chat_req, params, uuid.uuid4().hex, tools=plan, echo=echoed)
         response = await self.dispatcher.dispatch(
-            principal, resolution, pool_request, 1, bool(req.stream), request.state.rate_charge
+            principal, resolution, pool_request, 1, bool(req.stream), charge
         )
         if req.store is False:
             return response
@@ -340,6 +376,95 @@ class Gateway:
     @app.delete("/v1/responses/{response_id}", **route_docs(ResponseDeleted))
     async def delete_response(self, response_id: str, request: Request) -> Response:
         return await self.stored_responses.delete(response_id, self.authenticate(request))
+
+    # -- the Batch API: records and runs in the app's batch actor (deployments/batch/) --------------
+
+    @app.post("/v1/files", **route_docs(FileObject))
+    async def create_file(self, request: Request) -> Response:
+        """Upload a batch's input file (multipart/form-data: `file`, `purpose` = batch)."""
+        principal = self.authenticate(request)
+        self.router.check_rate(principal)  # one request; the lines' tokens are the batch tier's
+        return JSONResponse(await self.batch.upload(request, principal))
+
+    @app.get("/v1/files", **route_docs(FileList))
+    async def list_files(self, request: Request) -> Response:
+        principal = self.authenticate(request)
+        limit = list_limit(request, 10_000, 10_000)
+        order = request.query_params.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise invalid("order", "order must be 'asc' or 'desc'.")
+        args = (request.query_params.get("purpose"), limit + 1, request.query_params.get("after"), order)
+        return JSONResponse(page(await self.batch.call("files", owner(principal), *args), limit))
+
+    @app.get("/v1/files/{file_id}", **route_docs(FileObject))
+    async def retrieve_file(self, file_id: str, request: Request) -> Response:
+        return JSONResponse(await self.batch.call("file", owner(self.authenticate(request)), file_id))
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(self, file_id: str, request: Request) -> Response:
+        content = await self.batch.call("file_content", owner(self.authenticate(request)), file_id)
+        return Response(content, media_type="application/octet-stream")
+
+    @app.delete("/v1/files/{file_id}", **route_docs(FileDeleted))
+    async def delete_file(self, file_id: str, request: Request) -> Response:
+        return JSONResponse(await self.batch.call("delete_file", owner(self.authenticate(request)), file_id))
+
+    @app.post("/v1/batches", **route_docs(Batch, BatchCreateRequest))
+    async def create_batch(self, request: Request) -> Response:
+        principal = self.authenticate(request)
+        self.router.check_rate(principal)
+        body = await read_body(request, self.config.gateway.max_request_body_bytes)
+        return JSONResponse(await self.batch.create_batch(body, principal))
+
+    @app.get("/v1/batches", **route_docs(BatchList))
+    async def list_batches(self, request: Request) -> Response:
+        principal = self.authenticate(request)
+        limit = list_limit(request, 20, 100)
+        args = (owner(principal), limit + 1, request.query_params.get("after"))
+        return JSONResponse(page(await self.batch.call("batches", *args), limit))
+
+    @app.get("/v1/batches/{batch_id}", **route_docs(Batch))
+    async def retrieve_batch(self, batch_id: str, request: Request) -> Response:
+        return JSONResponse(await self.batch.call("batch", owner(self.authenticate(request)), batch_id))
+
+    @app.post("/v1/batches/{batch_id}/cancel", **route_docs(Batch))
+    async def cancel_batch(self, batch_id: str, request: Request) -> Response:
+        return JSONResponse(
+            await self.batch.call("cancel_batch", owner(self.authenticate(request)), batch_id)
+        )
+
+    async def run_batch_line(self, key_id: str, endpoint: str, body: bytes) -> tuple[int, str, bool]:
+        """One line of a batch (called by the batch actor), served as a request of the `batch` tier
+        from the key that made the batch: (status, JSON body, whether its pool had requests waiting)."""
+        principal = Principal(key_id, self.batch_tier)
+        charge = self.router.check_rate(principal)  # the tier has no limits: counts nothing
+        busy = True
+        try:
+            self.check_open()
+            response = await getattr(self, BATCH_SERVERS[endpoint])(principal, body, charge)
+            if (pool := response.headers.get("x-raylane-pool")) is not None:
+                load = self.router.pool_load(pool)
+                busy = load.waiting > 0 or load.in_flight >= load.capacity
+            else:
+                busy = False
+            return response.status_code, bytes(response.body).decode(), busy
+        except OpenAIError as e:
+            return e.status, json.dumps(e.to_dict()), busy
+        except RouterError as e:
+            return e.status, json.dumps(e.to_openai()), busy
+        except Exception:
+            logger.exception("a batch line failed in the gateway")
+            return 500, json.dumps(internal_error().to_dict()), busy
+        finally:
+            charge.settle(0)
+
+    @property
+    def batch(self) -> BatchApi:
+        if not self.config.batch.enabled:
+            raise OpenAIError(
+                "The Batch API is off on this cluster (batch.enabled).", status=404, code="not_found"
+            )
+        return self.batch_api
 
     @app.get("/v1/models", **route_docs(ModelList))
     async def list_models(self, request: Request) -> Response:
@@ -411,11 +536,11 @@ class Gateway:
         request.state.rate_charge = self.router.check_rate(principal, len(body) // PROMPT_BYTES_PER_TOKEN)
         return body
 
-    def charge_output(self, request: Request, principal: Principal, max_tokens: int | None, n: int) -> None:
+    def charge_output(self, principal: Principal, charge: RateCharge, max_tokens: int | None, n: int) -> None:
         """Charge what the request may generate, `max_tokens` x `n` (`router.max_tokens_estimate` a
         choice without max_tokens), up front; 429 when the key's tokens/min cannot cover it."""
         per_choice = max_tokens if max_tokens is not None else self.config.router.max_tokens_estimate
-        self.router.charge_more(principal, request.state.rate_charge, per_choice * n)
+        self.router.charge_more(principal, charge, per_choice * n)
 
     def check_batch(self, prompts: int) -> None:
         """Each prompt of a batch is its own engine request (n of them with `n`): bounded, so that one

@@ -15,6 +15,14 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from raylane.deployments.protocol.batch_schemas import (
+    Batch,
+    BatchCreateRequest,
+    BatchList,
+    FileDeleted,
+    FileList,
+    FileObject,
+)
 from raylane.deployments.protocol.openai_schemas import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -50,6 +58,7 @@ REQUESTS = (
     TokenizeCompletionRequest,
     DetokenizeRequest,
     ResponsesRequest,
+    BatchCreateRequest,
 )
 RESPONSES = (
     ChatCompletion,
@@ -64,6 +73,11 @@ RESPONSES = (
     ResponseObject,
     ResponseStreamEvent,
     ResponseDeleted,
+    FileObject,
+    FileList,
+    FileDeleted,
+    Batch,
+    BatchList,
 )
 _PAIRS: list[tuple[type[BaseModel], Mode]] = [(m, "validation") for m in REQUESTS] + [
     (m, "serialization") for m in RESPONSES

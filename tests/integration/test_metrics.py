@@ -103,8 +103,31 @@ def workload(api_server):
     import openai
 
     client = openai.OpenAI(base_url=api_server.base_url, api_key="x", max_retries=0, timeout=120)
-    before = scrape(api_server.url)
+    before = settled_scrape(api_server.url)
     return before, run_workload(client)
+
+
+def settled_scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    """/metrics once its counters have stopped moving: each replica reports its increments once a
+    second, so what an earlier test's last requests counted can land a second after they ended, and
+    would be taken for this workload's."""
+
+    def counters(samples: dict) -> dict:
+        # (each scrape is an HTTP request the gateway counts: those are left out)
+        return {
+            k: v
+            for k, v in samples.items()
+            if k[0].endswith(("_total", "_count", "_sum")) and not k[0].startswith("raylane_http_")
+        }
+
+    last = scrape(url)
+    for _ in range(20):
+        time.sleep(1.5)  # longer than a report interval
+        samples = scrape(url)
+        if counters(samples) == counters(last):
+            return samples
+        last = samples
+    raise AssertionError("the app's counters kept moving for 30 s before the workload")
 
 
 def test_token_and_request_counters_match_what_clients_received(api_server, workload):

@@ -3,7 +3,7 @@ each limit on what one request may ask for.
 
 The fuzz (schemathesis over /openapi.json, positive and negative cases) sends at least 1,000
 requests to /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses (and GET/DELETE of
-a stored one), /tokenize, /detokenize and /v1/models: no 5xx, every 4xx in OpenAI's error shape,
+a stored one), /tokenize, /detokenize, /v1/models and the Batch API's routes (files' and batches'): no 5xx, every 4xx in OpenAI's error shape,
 every 2xx valid against the schema the gateway publishes (a stream: JSON events then [DONE], or the
 Responses API's typed events ending in response.completed / response.incomplete; no error event).
 The app under test is an ordinary one with a 64-token context window, so that generated requests
@@ -40,6 +40,14 @@ FUZZ = [
     ("POST", "/tokenize", 100),
     ("POST", "/detokenize", 60),
     ("GET", "/v1/models", 1),  # no parameters: one request says it all
+    ("POST", "/v1/batches", 40),
+    ("GET", "/v1/batches", 1),
+    ("GET", "/v1/batches/{batch_id}", 10),
+    ("POST", "/v1/batches/{batch_id}/cancel", 10),
+    ("POST", "/v1/files", 1),
+    ("GET", "/v1/files", 1),
+    ("GET", "/v1/files/{file_id}", 10),
+    ("DELETE", "/v1/files/{file_id}", 10),
 ]
 STATUSES: dict[str, Counter] = {}  # "METHOD path" -> status -> requests
 ERRORS: Counter = Counter()  # (generation mode, status, code, param) of the 4xx answers
@@ -47,8 +55,10 @@ STARTED: list[float] = []
 
 
 @pytest.fixture(scope="module")
-def untrusted(api_server, demo_models):
+def untrusted(api_server, demo_models, tmp_path_factory):
+    batch_dir = tmp_path_factory.mktemp("batch")
     config = {
+        "batch": {"store": str(batch_dir / "b.sqlite3"), "files_dir": str(batch_dir / "files")},
         "gateway": {"num_cpus": 0.1, "max_request_body_bytes": BODY_LIMIT, "max_batch_prompts": BATCH_LIMIT},
         "pools": [llama_pool(demo_models, "chat", engine={"max_model_len": CONTEXT}, max_n=4)],
         "embeddings": {"enabled": True},  # fuzzed too

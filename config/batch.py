@@ -1,0 +1,71 @@
+"""`batch:` — OpenAI's Batch API (`/v1/files`, `/v1/batches`) run on the capacity interactive
+traffic leaves idle (deployments/batch/)."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from raylane.config.base import StrictModel
+from raylane.config.router import TierConfig
+
+BATCH_TIER = "batch"  # the tier batch lines are served as (no configured tier may take the name)
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+
+
+class BatchConfig(StrictModel):
+    enabled: bool = Field(True, description="Serve /v1/files and /v1/batches.")
+    store: str | None = Field(
+        None,
+        description="the SQLite file holding files' and batches' records and each line's result; "
+        "null = $RAYLANE_CACHE_DIR/batch/<app>.sqlite3 on the node the batch actor runs on",
+    )
+    files_dir: str | None = Field(
+        None,
+        description="where uploaded and output files' bytes are kept (a shared filesystem path for a "
+        "multi-node cluster); null = $RAYLANE_CACHE_DIR/batch/<app>-files",
+    )
+    max_file_bytes: int = Field(
+        64 * 2**20, ge=1, description="largest upload to /v1/files (413 past it); OpenAI's is 200 MB"
+    )
+    max_lines: int = Field(50_000, ge=1, description="most requests in one batch's input file, as OpenAI's")
+    max_files_per_key: int = Field(100, ge=1, description="files one API key may keep at once")
+    max_active_batches_per_key: int = Field(
+        8, ge=1, description="batches of one API key validating, running or finalizing at once"
+    )
+    max_concurrency: int = Field(
+        8, ge=1, description="lines of all batches in flight at once, reached only while pools are idle"
+    )
+    max_pool_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="share of each pool's slots batch lines may hold (the rest stays free for "
+        "interactive tiers, whose waiting requests also shed batch lines waiting beside them)",
+    )
+    line_retries: int = Field(
+        20, ge=0, description="times a line turned away for load (429/503) is tried again before it fails"
+    )
+    file_ttl_s: float = Field(
+        30 * 86400, gt=0, description="uploaded and output files are deleted this long after they are made"
+    )
+
+    @field_validator("store")
+    @classmethod
+    def _sqlite_only(cls, value: str | None) -> str | None:
+        if value is not None and "://" in value:
+            raise ValueError(f"{value.split('://')[0]!r} stores are not supported; give a SQLite file path")
+        return value
+
+
+def batch_tier(tiers: list[TierConfig], config: BatchConfig) -> TierConfig:
+    """The tier batch lines run as: served after every configured tier (in the admission queue and
+    in the engine), the first shed when a pool's queue is full, never holding more than
+    `max_pool_share` of a pool; no rate limits (a batch is bounded by its file and the window)."""
+    return TierConfig(
+        name=BATCH_TIER,
+        priority=max(t.priority for t in tiers) + 1,
+        max_queue_depth=config.max_concurrency,
+        max_queue_wait_s=30.0,
+        sheddable=True,
+        max_pool_share=config.max_pool_share,
+    )

@@ -1,0 +1,257 @@
+"""OpenAI's Batch API, driven by the unmodified `openai` SDK: files, batches, their output and error
+files, cancelling, a crash of the batch actor, and interactive requests served ahead of batch lines.
+
+The main test app (demo Llama as `chat`, open mode) and the router app (API keys; its `chat` pool
+takes one request at a time)."""
+
+import io
+import json
+import time
+
+import openai
+import pytest
+import ray
+
+from tests.live_servers import ROUTER_KEYS
+
+pytestmark = pytest.mark.timeout(300)
+ENDED = ("completed", "failed", "expired", "cancelled")
+
+
+def jsonl(lines: list[dict]) -> io.BytesIO:
+    return io.BytesIO(("\n".join(json.dumps(line) for line in lines) + "\n").encode())
+
+
+def chat_line(custom_id: str, text: str, model: str = "chat", max_tokens: int = 6) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": body | {"temperature": 0},
+    }
+
+
+def submit(client: openai.OpenAI, lines: list[dict], endpoint: str = "/v1/chat/completions"):
+    source = client.files.create(file=("input.jsonl", jsonl(lines)), purpose="batch")
+    return client.batches.create(input_file_id=source.id, endpoint=endpoint, completion_window="24h")
+
+
+def wait_ended(client: openai.OpenAI, batch_id: str, timeout_s: float = 180) -> tuple[object, list[str]]:
+    """The batch once it has ended, and every status it was seen in on the way."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if not seen or seen[-1] != batch.status:
+            seen.append(batch.status)
+        if batch.status in ENDED:
+            return batch, seen
+        time.sleep(0.3)
+    raise AssertionError(f"batch {batch_id} still {seen[-1]} after {timeout_s} s")
+
+
+def records(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def test_a_batch_answers_each_line_as_the_same_request_sent_alone(client):
+    questions = {f"q{i}": f"Say something about the number {i}." for i in range(5)}
+    batch = submit(client, [chat_line(cid, text) for cid, text in questions.items()])
+    assert batch.status == "validating" and batch.endpoint == "/v1/chat/completions"
+    batch, seen = wait_ended(client, batch.id)
+    assert batch.status == "completed", batch.errors
+    assert seen[-1] == "completed" and set(seen) <= {"validating", "in_progress", "finalizing", "completed"}
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
+        5,
+        5,
+        0,
+    )
+    assert batch.error_file_id is None and batch.completed_at >= batch.created_at
+    output = records(client, batch.output_file_id)
+    assert sorted(r["custom_id"] for r in output) == sorted(questions)
+    for record in output:
+        assert record["error"] is None and record["response"]["status_code"] == 200
+        alone = client.chat.completions.create(
+            model="chat",
+            messages=[{"role": "user", "content": questions[record["custom_id"]]}],
+            max_tokens=6,
+            temperature=0,
+        )
+        body = record["response"]["body"]
+        assert body["choices"][0]["message"]["content"] == alone.choices[0].message.content
+    usage = sum(r["response"]["body"]["usage"]["total_tokens"] for r in output)
+    assert batch.usage.total_tokens == usage > 0
+
+
+def test_embeddings_and_completions_run_as_batches(client):
+    texts = ["a cat on a mat", "the stock market fell"]
+    lines = [
+        {
+            "custom_id": f"e{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "all-MiniLM-L6-v2", "input": t},
+        }
+        for i, t in enumerate(texts)
+    ]
+    batch, _ = wait_ended(client, submit(client, lines, "/v1/embeddings").id)
+    assert batch.status == "completed"
+    by_id = {
+        r["custom_id"]: r["response"]["body"]["data"][0]["embedding"]
+        for r in records(client, batch.output_file_id)
+    }
+    alone = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts)
+    for i in range(2):
+        assert by_id[f"e{i}"] == pytest.approx(alone.data[i].embedding, abs=1e-5)
+
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/completions"}
+    line["body"] = {"model": "chat", "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0}
+    batch, _ = wait_ended(client, submit(client, [line], "/v1/completions").id)
+    (record,) = records(client, batch.output_file_id)
+    alone = client.completions.create(model="chat", prompt="Once upon a time", max_tokens=5, temperature=0)
+    assert record["response"]["body"]["choices"][0]["text"] == alone.choices[0].text
+
+
+def test_a_line_the_client_got_wrong_goes_to_the_error_file(client):
+    lines = [chat_line("good", "Hello"), chat_line("bad", "Hello", model="no-such-model")]
+    batch, _ = wait_ended(client, submit(client, lines).id)
+    assert batch.status == "completed"
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 1)
+    (good,) = records(client, batch.output_file_id)
+    (bad,) = records(client, batch.error_file_id)
+    assert good["custom_id"] == "good" and bad["custom_id"] == "bad"
+    assert bad["response"]["status_code"] == 404
+    assert "no-such-model" in bad["response"]["body"]["error"]["message"]
+
+
+def test_an_invalid_input_file_fails_validation_naming_its_lines(client):
+    lines = [
+        chat_line("x", "Hello"),
+        chat_line("x", "Hello again"),  # a custom_id used twice
+        chat_line("y", "Hi") | {"url": "/v1/completions"},  # not the batch's endpoint
+    ]
+    batch, seen = wait_ended(client, submit(client, lines).id)
+    assert batch.status == "failed" and batch.failed_at is not None and "in_progress" not in seen
+    found = {(e.line, e.code, e.param) for e in batch.errors.data}
+    assert found == {(2, "duplicate_custom_id", "custom_id"), (3, "mismatched_endpoint", "url")}
+    assert batch.output_file_id is None
+
+
+def test_files_can_be_listed_read_and_deleted(client):
+    content = jsonl([chat_line("a", "Hello")]).getvalue()
+    uploaded = client.files.create(file=("mine.jsonl", content), purpose="batch")
+    assert (uploaded.filename, uploaded.bytes, uploaded.purpose) == ("mine.jsonl", len(content), "batch")
+    assert client.files.retrieve(uploaded.id).id == uploaded.id
+    assert client.files.content(uploaded.id).content == content
+    assert uploaded.id in [f.id for f in client.files.list(purpose="batch")]
+    assert client.files.delete(uploaded.id).deleted is True
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploaded.id)
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        client.files.create(file=("x.jsonl", content), purpose="fine-tune")
+    with pytest.raises(openai.BadRequestError, match="completion_window"):
+        client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1h"
+        )
+
+
+def test_batches_are_listed_newest_first_in_pages(client):
+    ids = [submit(client, [chat_line("a", "Hi", max_tokens=1)]).id for _ in range(3)]
+    listed = [b.id for b in client.batches.list(limit=2)]  # the SDK follows `after` through the pages
+    assert listed[:3] == ids[::-1]
+    for batch_id in ids:
+        wait_ended(client, batch_id)
+
+
+def test_a_cancelled_batch_keeps_the_lines_it_finished(client):
+    lines = [chat_line(f"l{i}", f"Count to {i}.", max_tokens=40) for i in range(40)]
+    batch = submit(client, lines)
+    while client.batches.retrieve(batch.id).request_counts.completed < 2:
+        time.sleep(0.2)
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    batch, seen = wait_ended(client, batch.id)
+    assert batch.status == "cancelled" and batch.cancelled_at is not None
+    done = records(client, batch.output_file_id)
+    assert 2 <= len(done) < 40 and batch.request_counts.completed == len(done)
+    assert len({r["custom_id"] for r in done}) == len(done)
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(batch.id)
+
+
+def test_a_batch_survives_its_actor_dying_and_runs_no_line_twice(client):
+    lines = [chat_line(f"l{i}", f"Name the colour number {i}.", max_tokens=24) for i in range(24)]
+    batch = submit(client, lines)
+    while client.batches.retrieve(batch.id).request_counts.completed < 3:
+        time.sleep(0.2)
+    ray.kill(ray.get_actor("raylane-batch-raylane", namespace="raylane"), no_restart=False)
+    batch, _ = wait_ended(client, batch.id, timeout_s=240)
+    assert batch.status == "completed" and batch.request_counts.completed == 24
+    output = records(client, batch.output_file_id)
+    assert sorted(r["custom_id"] for r in output) == sorted(f"l{i}" for i in range(24))
+
+
+def test_another_key_cannot_see_a_keys_batch_or_file(router_server):
+    def keyed(tier: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=router_server.base_url, api_key=ROUTER_KEYS[tier], max_retries=0)
+
+    owner, other = keyed("standard"), keyed("premium")
+    batch = submit(owner, [chat_line("a", "Hi", max_tokens=1)])
+    with pytest.raises(openai.NotFoundError):
+        other.batches.retrieve(batch.id)
+    with pytest.raises(openai.NotFoundError):
+        other.files.content(batch.input_file_id)
+    assert batch.id not in [b.id for b in other.batches.list()]
+    assert wait_ended(owner, batch.id)[0].status == "completed"
+
+
+def test_an_interactive_request_waits_for_no_more_than_the_batch_line_in_flight(router_server):
+    """The router app's `chat` pool takes one request at a time. While a batch of long lines runs on
+    it, a premium request sent just after a line started waits for that line only: batch lines do
+    not queue ahead of it (sent at once as interactive requests of one tier, up to 8 would)."""
+    client = openai.OpenAI(base_url=router_server.base_url, api_key=ROUTER_KEYS["standard"], max_retries=0)
+    premium = openai.OpenAI(base_url=router_server.base_url, api_key=ROUTER_KEYS["premium"], max_retries=0)
+    batch = submit(client, [chat_line(f"l{i}", f"Tell me about {i}.", max_tokens=48) for i in range(10)])
+
+    def completed() -> int:
+        return client.batches.retrieve(batch.id).request_counts.completed
+
+    while (before := completed()) < 2:
+        time.sleep(0.05)
+    while completed() == before:  # a line just finished: the next one has its whole run ahead
+        time.sleep(0.02)
+    answer = premium.chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+    )
+    served_ahead = completed() - before - 1
+    assert answer.choices[0].message.content is not None
+    assert served_ahead <= 1, f"{served_ahead} batch lines were served while the premium request waited"
+    batch, _ = wait_ended(client, batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 10
+
+
+def test_an_offline_run_writes_each_line_once_and_resumes_a_partial_output(client, api_server, tmp_path):
+    """`raylane batch run` (Ray Data through the app's gateway): an output already holding two
+    lines, as an interrupted run leaves it, gets the four others and keeps the two."""
+    from raylane.cluster.cli import main
+
+    lines = [chat_line(f"l{i}", f"Write about the sea, part {i}.") for i in range(6)]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines) + "not json\n")
+    earlier = [{"custom_id": "l0", "kept": True}, {"custom_id": "l1", "kept": True}]
+    output = tmp_path / "out.jsonl"
+    output.write_text("".join(json.dumps(r) + "\n" for r in earlier) + '{"custom_id": "l2", "cut sh')
+    assert main(["batch", "run", str(source), "--output", str(output), "--app", "raylane"]) == 0
+    written = [json.loads(line) for line in output.read_text().splitlines()]
+    assert written[:2] == earlier
+    assert sorted(r["custom_id"] for r in written) == ["", "l0", "l1", "l2", "l3", "l4", "l5"]
+    (unreadable,) = [r for r in written if r["custom_id"] == ""]
+    assert unreadable["error"]["code"] == "invalid_json_line" and unreadable["response"] is None
+    l3 = next(r for r in written if r["custom_id"] == "l3")
+    alone = client.chat.completions.create(
+        model="chat", messages=lines[3]["body"]["messages"], max_tokens=6, temperature=0
+    )
+    assert l3["response"]["status_code"] == 200
+    assert l3["response"]["body"]["choices"][0]["message"]["content"] == alone.choices[0].message.content

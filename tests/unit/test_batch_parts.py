@@ -1,0 +1,136 @@
+"""The Batch API's parts without Ray: reading an input file, the SQLite records, the order lines are
+sent in, and the window of lines in flight."""
+
+import asyncio
+import json
+
+import pytest
+
+from raylane.deployments.batch.lines import dispatch_order, read_input
+from raylane.deployments.batch.service import Window
+from raylane.deployments.batch.store import BatchStore
+
+CHAT = "/v1/chat/completions"
+
+
+def line(custom_id, url=CHAT, method="POST", **body) -> dict:
+    return {"custom_id": custom_id, "method": method, "url": url, "body": {"model": "m", **body}}
+
+
+def jsonl(*items) -> bytes:
+    return "\n".join(i if isinstance(i, str) else json.dumps(i) for i in items).encode()
+
+
+def test_each_mistake_in_an_input_file_is_named_with_its_line():
+    content = jsonl(
+        line("a"),
+        "not json",
+        '["a list"]',
+        line(""),
+        line("a"),
+        line("b", method="GET"),
+        line("c", url="/v1/embeddings"),
+        {"custom_id": "d", "method": "POST", "url": CHAT, "body": "text"},
+        line("e", stream=True),
+        line("f", messages="x" * 200),
+    )
+    lines, errors = read_input(content, CHAT, max_lines=100, max_body_bytes=100)
+    assert [x.custom_id for x in lines] == ["a"]
+    found = [(e["line"], e["code"], e["param"]) for e in errors]
+    assert found == [
+        (2, "invalid_json_line", None),
+        (3, "invalid_json_line", None),
+        (4, "invalid_custom_id", "custom_id"),
+        (5, "duplicate_custom_id", "custom_id"),
+        (6, "invalid_method", "method"),
+        (7, "mismatched_endpoint", "url"),
+        (8, "invalid_body", "body"),
+        (9, "invalid_body", "body.stream"),
+        (10, "invalid_body", "body"),
+    ]
+
+
+def test_an_input_file_past_its_limits_is_refused():
+    many = jsonl(*(line(str(i)) for i in range(5)))
+    _, errors = read_input(many, CHAT, max_lines=3, max_body_bytes=1000)
+    assert [(e["code"], e["line"]) for e in errors] == [("too_many_lines", 4)]
+    assert read_input(b"\xff\xfe", CHAT, 10, 1000)[1][0]["code"] == "invalid_file"
+    assert read_input(b"\n\n", CHAT, 10, 1000)[1][0]["code"] == "empty_file"
+
+
+def test_lines_sharing_a_prompt_prefix_are_sent_next_to_each_other():
+    def ask(custom_id, system, user):
+        return line(
+            custom_id, messages=[{"role": "system", "content": system}, {"role": "user", "content": user}]
+        )
+
+    content = jsonl(ask("1", "You are A.", "x"), ask("2", "You are B.", "x"), ask("3", "You are A.", "y"))
+    lines, errors = read_input(content, CHAT, 10, 10_000)
+    assert not errors
+    order = [x.custom_id for x in dispatch_order(lines)]
+    assert abs(order.index("1") - order.index("3")) == 1
+
+
+@pytest.fixture
+def store(tmp_path):
+    return BatchStore(tmp_path / "b.sqlite3", tmp_path / "files")
+
+
+def batch(batch_id: str, status: str = "in_progress") -> dict:
+    return {"id": batch_id, "status": status, "created_at": 1}
+
+
+def test_a_line_is_recorded_once(store):
+    store.put_batch(batch("b"), "owner", "key")
+    assert store.finish_line("b", 3, 200, {"custom_id": "x"})
+    assert not store.finish_line("b", 3, 500, {"custom_id": "x", "again": True})
+    assert store.finish_line("b", 4, 404, {"custom_id": "y"})
+    assert store.done_lines("b") == {3, 4}
+    assert store.line_counts("b") == (1, 1)
+    assert [(n, code) for n, code, _ in store.results("b")] == [(3, 200), (4, 404)]
+
+
+def test_batches_list_newest_first_per_owner_and_keep_their_place_when_updated(store):
+    for name in "abcd":
+        store.put_batch(batch(name), "me", "k")
+    store.put_batch(batch("other"), "you", "k2")
+    store.put_batch(batch("b", "completed"), "me", "k")  # an update keeps b's place
+    assert [b["id"] for b in store.batches("me", 10, None)] == ["d", "c", "b", "a"]
+    assert [b["id"] for b in store.batches("me", 2, "c")] == ["b", "a"]
+    assert [row[0] for row in store.active("me")] == ["a", "c", "d"]
+    assert store.batch("other", "me") is None and store.batch("other", "you")["id"] == "other"
+    assert store.count_by_status() == {"in_progress": 4, "completed": 1}
+
+
+def test_files_are_kept_per_owner_and_removed_with_their_bytes(store):
+    for i, owner in enumerate(["me", "me", "you"]):
+        record = {
+            "id": f"f{i}",
+            "purpose": "batch",
+            "filename": "x",
+            "bytes": 1,
+            "created_at": 1,
+            "expires_at": 10 + i,
+        }
+        store.add_file(record, owner, b"x")
+    assert [f["id"] for f in store.files("me", None, 10, None, desc=False)] == ["f0", "f1"]
+    assert [f["id"] for f in store.files("me", "batch", 10, "f1", desc=True)] == ["f0"]
+    assert store.file("f2", "me") is None and store.count_files("me") == 2
+    assert store.expired_files(11) == [("f0", "me"), ("f1", "me")]
+    assert store.delete_file("f0", "me") and not store.path_of("f0").exists()
+    assert not store.delete_file("f2", "me") and store.path_of("f2").exists()
+
+
+def test_the_window_grows_while_pools_are_idle_and_halves_when_busy():
+    async def run() -> list[int]:
+        window = Window(limit=6)
+        sizes = []
+        for idle in [True] * 20 + [False, False, False, False]:
+            await window.acquire()
+            await window.release(idle)
+            sizes.append(int(window.size))
+        return sizes
+
+    sizes = asyncio.run(run())
+    assert sizes[0] == 2 and max(sizes) == 6 and sizes[19] == 6
+    assert sizes[20:] == [3, 1, 1, 1]
