@@ -23,8 +23,6 @@ import os
 import sys
 from pathlib import Path
 
-from raylane.config.batch import BATCH_ENDPOINTS
-
 RETRY_S = (1.0, 30.0)  # a line turned away for load waits this long (doubling) before its next try
 
 
@@ -33,7 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run = sub.add_parser("run", help="run a batch file (OpenAI's JSONL) on the cluster with Ray Data")
     run.add_argument("input", help="the input JSONL (a path, or a URI Ray Data reads: s3://...)")
     run.add_argument("--output", required=True, help="the output JSONL (appended to; resumes a run)")
-    run.add_argument("--endpoint", choices=BATCH_ENDPOINTS, help="every line's url (default: the first's)")
     run.add_argument("--address", default=None, help="Ray cluster (default: $RAY_ADDRESS, else local)")
     run.add_argument("--app", default="raylane", help="Serve application name (default raylane)")
     run.add_argument("--key-id", default="batch-job", help="whom the lines are served for (fair shares)")
@@ -47,13 +44,13 @@ class LineSender:
     each tried again (waiting, doubling) while the gateway turns it away for load (429/503). Async,
     as a Serve handle is used from an event loop."""
 
-    def __init__(self, app: str, endpoint: str, key_id: str, concurrency: int, retries: int) -> None:
-        self.app, self.endpoint, self.key_id, self.retries = app, endpoint, key_id, retries
+    def __init__(self, app: str, key_id: str, concurrency: int, retries: int) -> None:
+        self.app, self.key_id, self.retries = app, key_id, retries
         self.concurrency = concurrency
         self.gateway = None
 
     async def __call__(self, block: dict):
-        from raylane.deployments.batch.lines import error_line, read_input
+        from raylane.deployments.batch.lines import error_line, read_line
 
         if self.gateway is None:
             from ray import serve
@@ -62,12 +59,11 @@ class LineSender:
         records: list[str] = []
         lines = []
         for text in block["text"]:
-            read, errors = read_input(str(text).encode(), self.endpoint, 1, 2**30)
-            if errors:
-                record = error_line(_custom_id(str(text)), errors[0]["code"], errors[0]["message"])
-                records.append(json.dumps(record))
+            line, (custom_id, code, message) = read_line(str(text), 0, 2**30)
+            if line is None:
+                records.append(json.dumps(error_line(custom_id, code, message)))
             else:
-                lines.append(read[0])
+                lines.append(line)
         limit = asyncio.Semaphore(self.concurrency)
         records += await asyncio.gather(*(self._send(line, limit) for line in lines))
         yield {"record": records}
@@ -79,7 +75,7 @@ class LineSender:
         async with limit:
             for attempt in range(self.retries + 1):
                 status, body, _busy = await self.gateway.run_batch_line.remote(
-                    self.key_id, self.endpoint, line.body
+                    self.key_id, line.url, line.body
                 )
                 if status not in (429, 503) or attempt == self.retries:
                     break
@@ -124,13 +120,9 @@ def run(args: argparse.Namespace) -> int:
     output = Path(args.output)
     done = done_ids(output)
     ds = ray.data.read_text(args.input).filter(lambda row: bool(row["text"].strip()))
-    endpoint = args.endpoint or _first_url(ds)
-    if endpoint not in BATCH_ENDPOINTS:
-        print(f"raylane batch run: url {endpoint!r} is not one of {BATCH_ENDPOINTS}", file=sys.stderr)
-        return 2
     if done:
         ds = ds.filter(lambda row: _custom_id(row["text"]) not in done)
-    sender_args = {"app": args.app, "endpoint": endpoint, "key_id": args.key_id}
+    sender_args = {"app": args.app, "key_id": args.key_id}
     sender_args |= {"concurrency": args.concurrency, "retries": args.retries}
     results = ds.map_batches(
         LineSender,
@@ -148,13 +140,3 @@ def run(args: argparse.Namespace) -> int:
             out.flush()
     print(f"raylane batch run: {written} lines written to {output} ({len(done)} there already)")
     return 0
-
-
-def _first_url(ds) -> str | None:
-    first = ds.take(1)
-    if not first:
-        return None
-    try:
-        return json.loads(first[0]["text"]).get("url")
-    except (ValueError, AttributeError):
-        return None

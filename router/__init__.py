@@ -189,6 +189,11 @@ class Router:
     def pool_load(self, pool: str) -> PoolLoad:
         return self.admission.load(pool)
 
+    def others_on(self, pool: str, tier: str) -> bool:
+        """Whether requests of other tiers than `tier` hold or wait for slots of `pool`."""
+        load = self.admission.load(pool)
+        return load.waiting > 0 or load.in_flight > self.admission.held(pool, tier)
+
     def circuit_state(self, pool: str) -> CircuitState:
         return self.breakers[pool].state
 

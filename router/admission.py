@@ -131,6 +131,10 @@ class AdmissionController:
         p = self._pools[pool]
         return PoolLoad(p.in_flight, len(p.waiters), p.capacity)
 
+    def held(self, pool: str, tier: str) -> int:
+        """Slots of `pool` that requests of the tier named `tier` hold now."""
+        return self._pools[pool].by_tier.get(tier, 0)
+
     def key_requests(self, key: str) -> int:
         """Requests of `key` holding or waiting for a slot, in all pools."""
         return self._by_key.get(key, 0)

@@ -10,6 +10,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from raylane.config.batch import BATCH_ENDPOINTS
+
 MAX_CUSTOM_ID = 512  # characters: it is echoed in every output line
 MAX_ERRORS = 100  # validation errors reported for one file (the first ones)
 
@@ -18,8 +20,16 @@ MAX_ERRORS = 100  # validation errors reported for one file (the first ones)
 class InputLine:
     number: int  # 1-based, as OpenAI's validation errors count lines
     custom_id: str
+    url: str  # the endpoint that serves it
     body: bytes  # the request body, as JSON
     prefix: str  # the model and the head of the prompt, to send lines sharing a prefix together
+
+
+@dataclass(slots=True)
+class InputFile:
+    lines: list[InputLine]  # what runs
+    rejected: list[tuple[int, str, str, str]]  # (line number, custom_id or "", code, message)
+    errors: list[dict]  # what makes the whole file unusable: OpenAI's `errors.data` items
 
 
 PREFIX_CHARS = 4096  # of a line's prompt (as JSON) that its place in the order depends on
@@ -32,76 +42,78 @@ def dispatch_order(lines: list[InputLine]) -> list[InputLine]:
     return sorted(lines, key=lambda line: (line.prefix, line.number))
 
 
-def read_input(
-    content: bytes, endpoint: str, max_lines: int, max_body_bytes: int
-) -> tuple[list[InputLine], list[dict]]:
-    """The requests of an input file, and what is wrong with it (OpenAI's `errors.data` items:
-    `code`, `message`, `param`, `line`); a file with any error runs nothing."""
-    lines: list[InputLine] = []
-    errors: list[dict] = []
-    seen: set[str] = set()
+def read_input(content: bytes, max_lines: int, max_body_bytes: int) -> InputFile:
+    """The requests of an input file, the lines that cannot be sent (each becomes a line of the
+    error file; the others run), and what makes the whole file unusable (the batch fails)."""
+    read = InputFile([], [], [])
 
-    def error(code: str, message: str, number: int | None = None, param: str | None = None) -> None:
-        if len(errors) < MAX_ERRORS:
-            errors.append({"code": code, "message": message, "param": param, "line": number})
+    def fail(code: str, message: str, number: int | None = None, param: str | None = None) -> None:
+        if len(read.errors) < MAX_ERRORS:
+            read.errors.append({"code": code, "message": message, "param": param, "line": number})
 
     try:
         text = content.decode("utf-8")
     except UnicodeDecodeError as e:
-        error("invalid_file", f"The file is not UTF-8 text (byte {e.start}).")
-        return [], errors
+        fail("invalid_file", f"The file is not UTF-8 text (byte {e.start}).")
+        return read
+    seen: set[str] = set()
+    count = 0
     for number, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
             continue
-        if len(lines) >= max_lines:
-            error("too_many_lines", f"A batch may hold at most {max_lines} requests.", number)
+        count += 1
+        if count > max_lines:
+            fail("too_many_lines", f"A batch may hold at most {max_lines} requests.", number)
             break
-        try:
-            item = json.loads(raw)
-        except ValueError:
-            error("invalid_json_line", "The line is not a JSON object.", number)
-            continue
-        if not isinstance(item, dict):
-            error("invalid_json_line", "The line is not a JSON object.", number)
-            continue
-        custom_id = item.get("custom_id")
-        if not isinstance(custom_id, str) or not custom_id or len(custom_id) > MAX_CUSTOM_ID:
-            error(
-                "invalid_custom_id",
-                f"custom_id must be a string of 1 to {MAX_CUSTOM_ID} characters.",
-                number,
-                "custom_id",
-            )
-            continue
+        line, problem = read_line(raw, number, max_body_bytes)
+        custom_id = line.custom_id if line is not None else problem[0]
         if custom_id in seen:
-            error(
+            fail(
                 "duplicate_custom_id", f"custom_id {custom_id!r} appears more than once.", number, "custom_id"
             )
             continue
-        seen.add(custom_id)
-        if item.get("method") != "POST":
-            error("invalid_method", "method must be 'POST'.", number, "method")
-            continue
-        if item.get("url") != endpoint:
-            error("mismatched_endpoint", f"url must be the batch's endpoint {endpoint!r}.", number, "url")
-            continue
-        body = item.get("body")
-        if not isinstance(body, dict):
-            error("invalid_body", "body must be a JSON object.", number, "body")
-            continue
-        if body.get("stream"):
-            error("invalid_body", "A batch request cannot stream.", number, "body.stream")
-            continue
-        encoded = json.dumps(body, ensure_ascii=False).encode()
-        if len(encoded) > max_body_bytes:
-            error("invalid_body", f"body is larger than {max_body_bytes} bytes.", number, "body")
-            continue
-        prompt = body.get("messages", body.get("prompt", body.get("input")))
-        head = json.dumps(prompt, ensure_ascii=False)[:PREFIX_CHARS]
-        lines.append(InputLine(number, custom_id, encoded, f"{body.get('model')}\n{head}"))
-    if not lines and not errors:
-        error("empty_file", "The file holds no request.")
-    return lines, errors
+        if custom_id:
+            seen.add(custom_id)
+        if line is not None:
+            read.lines.append(line)
+        else:
+            read.rejected.append((number, *problem))
+    if not count:
+        fail("empty_file", "The file holds no request.")
+    return read
+
+
+def read_line(raw: str, number: int, max_body_bytes: int) -> tuple[InputLine | None, tuple[str, str, str]]:
+    """One input line: (the request, _) or (None, (custom_id or "", error code, message))."""
+    try:
+        item = json.loads(raw)
+    except ValueError:
+        item = None
+    if not isinstance(item, dict):
+        return None, ("", "invalid_json_line", "The line is not a JSON object.")
+    custom_id = item.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id or len(custom_id) > MAX_CUSTOM_ID:
+        return None, (
+            "",
+            "invalid_custom_id",
+            f"custom_id must be a string of 1 to {MAX_CUSTOM_ID} characters.",
+        )
+    if item.get("method") != "POST":
+        return None, (custom_id, "invalid_method", "method must be 'POST'.")
+    url = item.get("url")
+    if url not in BATCH_ENDPOINTS:
+        return None, (custom_id, "invalid_url", f"url must be one of {list(BATCH_ENDPOINTS)}.")
+    body = item.get("body")
+    if not isinstance(body, dict):
+        return None, (custom_id, "invalid_body", "body must be a JSON object.")
+    if body.get("stream"):
+        return None, (custom_id, "invalid_body", "A batch request cannot stream (body.stream).")
+    encoded = json.dumps(body, ensure_ascii=False).encode()
+    if len(encoded) > max_body_bytes:
+        return None, (custom_id, "invalid_body", f"body is larger than {max_body_bytes} bytes.")
+    prompt = body.get("messages", body.get("prompt", body.get("input")))
+    head = json.dumps(prompt, ensure_ascii=False)[:PREFIX_CHARS]
+    return InputLine(number, custom_id, url, encoded, f"{body.get('model')}\n{head}"), ("", "", "")
 
 
 def output_line(custom_id: str, status_code: int, body: Any) -> dict:

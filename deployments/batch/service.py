@@ -86,17 +86,25 @@ class BatchService:
         self.metrics = BatchMetrics()
         self._window: Window | None = None
         self._wake: asyncio.Event | None = None
+        self._driver: asyncio.Task | None = None
         self._gateway = None
 
     # -- driving ------------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Take up every batch not yet ended, and each new one as it comes; returns at once where a
-        call is already doing it (every gateway replica makes one)."""
-        if self._wake is not None:
-            return
-        self._wake, self._window = asyncio.Event(), Window(self.config.max_concurrency)
-        batch_reporter(self.metrics, self.app_name, self.store.count_by_status).start()
+        """Drive the batches; ends only with the actor. Every gateway replica keeps one call pending,
+        so when the actor dies and Ray restarts it, Ray retries those calls and driving resumes."""
+        await asyncio.shield(self._drive())
+
+    def _drive(self) -> asyncio.Task:
+        """The one task that takes up every batch not yet ended, and each new one as it comes."""
+        if self._driver is None:
+            self._wake, self._window = asyncio.Event(), Window(self.config.max_concurrency)
+            batch_reporter(self.metrics, self.app_name, self.store.count_by_status).start()
+            self._driver = asyncio.create_task(self._loop())
+        return self._driver
+
+    async def _loop(self) -> None:
         while True:
             for batch_id, _owner, key_id in self.store.active():
                 if batch_id not in self.tasks:
@@ -193,8 +201,8 @@ class BatchService:
             "metadata": metadata,
         }
         self.store.put_batch(batch, owner, key_id)
-        if self._wake is not None:
-            self._wake.set()
+        self._drive()
+        self._wake.set()
         return batch
 
     def batch(self, owner: str | None, batch_id: str) -> dict:
@@ -214,7 +222,8 @@ class BatchService:
         if batch["status"] not in ("validating", "in_progress"):
             raise _error(409, f"The batch is {batch['status']}: it cannot be cancelled.", "batch_id")
         self._set(batch, "cancelling")
-        if batch_id not in self.tasks and self._wake is not None:
+        if batch_id not in self.tasks:
+            self._drive()
             self._wake.set()  # not running here yet: the runner takes it up to finish it
         return batch
 
@@ -247,16 +256,19 @@ class BatchService:
     async def _run_lines(self, batch_id: str, key_id: str) -> None:
         batch = self.store.batch(batch_id)
         content = await asyncio.to_thread(self.store.path_of(batch["input_file_id"]).read_bytes)
-        lines, errors = await asyncio.to_thread(
-            read_input, content, batch["endpoint"], self.config.max_lines, self.max_body_bytes
-        )
+        read = await asyncio.to_thread(read_input, content, self.config.max_lines, self.max_body_bytes)
         if batch["status"] == "validating":
-            if errors:
-                batch["errors"] = {"object": "list", "data": errors}
+            if read.errors:
+                batch["errors"] = {"object": "list", "data": read.errors}
                 self._set(batch, "failed")
                 return
-            batch["request_counts"]["total"] = len(lines)
+            for number, custom_id, code, message in read.rejected:  # to the error file, unsent
+                record = error_line(custom_id, code, message)
+                if self.store.finish_line(batch_id, number, 400, record):
+                    self._count(batch["endpoint"], 400, record)
+            batch["request_counts"]["total"] = len(read.lines) + len(read.rejected)
             self._set(batch, "in_progress")
+        lines = read.lines
         done = self.store.done_lines(batch_id)
         in_flight: set[asyncio.Task] = set()
         for line in dispatch_order([line for line in lines if line.number not in done]):
@@ -278,9 +290,7 @@ class BatchService:
         try:
             for attempt in range(self.config.line_retries + 1):
                 try:
-                    status, body, busy = await self.gateway.run_batch_line.remote(
-                        key_id, batch["endpoint"], line.body
-                    )
+                    status, body, busy = await self.gateway.run_batch_line.remote(key_id, line.url, line.body)
                 except Exception as e:  # the gateway replica died or is being replaced: not the line's
                     logger.warning("batch %s line %d: the gateway failed: %s", batch["id"], line.number, e)
                     status, body, busy = 503, None, True
@@ -299,7 +309,7 @@ class BatchService:
             else:
                 record = output_line(line.custom_id, status, json.loads(body))
             if self.store.finish_line(batch["id"], line.number, status, record):
-                self._count(batch["endpoint"], status, record)
+                self._count(line.url, status, record)
             idle = not busy and status not in (429, 503)
         finally:
             if held:

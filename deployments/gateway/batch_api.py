@@ -33,6 +33,7 @@ class BatchApi:
     def __init__(self, app_name: str, config: ClusterConfig) -> None:
         self.app_name, self.config = app_name, config
         self._service = None
+        self._driving = None
 
     @property
     def service(self):
@@ -43,7 +44,7 @@ class BatchApi:
             handle = batch_service(
                 self.app_name, self.config.batch, self.config.gateway.max_request_body_bytes
             )
-            handle.run.remote()  # returns at once where another replica's call drives it already
+            self._driving = handle.run.remote()  # pending for the actor's life (kept: Ray retries it)
             self._service = handle
         return self._service
 

@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from raylane.bounded_worker import BoundedWorker, WorkerBusy, WorkerTimeout, start_forkserver
 from raylane.config import ClusterConfig
-from raylane.config.batch import batch_tier
+from raylane.config.batch import BATCH_TIER, batch_tier
 from raylane.deployments import live_config
 from raylane.deployments.batch.service import store_paths
 from raylane.deployments.gateway.affinity import ConversationAffinity
@@ -435,18 +435,16 @@ class Gateway:
 
     async def run_batch_line(self, key_id: str, endpoint: str, body: bytes) -> tuple[int, str, bool]:
         """One line of a batch (called by the batch actor), served as a request of the `batch` tier
-        from the key that made the batch: (status, JSON body, whether its pool had requests waiting)."""
+        from the key that made the batch: (status, JSON body, whether other tiers were using its pool)."""
         principal = Principal(key_id, self.batch_tier)
         charge = self.router.check_rate(principal)  # the tier has no limits: counts nothing
         busy = True
         try:
             self.check_open()
             response = await getattr(self, BATCH_SERVERS[endpoint])(principal, body, charge)
-            if (pool := response.headers.get("x-raylane-pool")) is not None:
-                load = self.router.pool_load(pool)
-                busy = load.waiting > 0 or load.in_flight >= load.capacity
-            else:
-                busy = False
+            pool = response.headers.get("x-raylane-pool")
+            # Busy: interactive requests are on the pool (or anything waits): the batch steps back.
+            busy = pool is not None and self.router.others_on(pool, BATCH_TIER)
             return response.status_code, bytes(response.body).decode(), busy
         except OpenAIError as e:
             return e.status, json.dumps(e.to_dict()), busy

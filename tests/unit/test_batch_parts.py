@@ -21,41 +21,45 @@ def jsonl(*items) -> bytes:
     return "\n".join(i if isinstance(i, str) else json.dumps(i) for i in items).encode()
 
 
-def test_each_mistake_in_an_input_file_is_named_with_its_line():
+def test_a_line_that_cannot_be_sent_is_set_aside_with_its_reason_and_the_rest_run():
     content = jsonl(
         line("a"),
         "not json",
         '["a list"]',
         line(""),
-        line("a"),
         line("b", method="GET"),
-        line("c", url="/v1/embeddings"),
+        line("c", url="/v1/images/generations"),
         {"custom_id": "d", "method": "POST", "url": CHAT, "body": "text"},
         line("e", stream=True),
         line("f", messages="x" * 200),
+        line("g", url="/v1/completions", prompt="hi"),  # another endpoint than the first line's: served
     )
-    lines, errors = read_input(content, CHAT, max_lines=100, max_body_bytes=100)
-    assert [x.custom_id for x in lines] == ["a"]
-    found = [(e["line"], e["code"], e["param"]) for e in errors]
-    assert found == [
-        (2, "invalid_json_line", None),
-        (3, "invalid_json_line", None),
-        (4, "invalid_custom_id", "custom_id"),
-        (5, "duplicate_custom_id", "custom_id"),
-        (6, "invalid_method", "method"),
-        (7, "mismatched_endpoint", "url"),
-        (8, "invalid_body", "body"),
-        (9, "invalid_body", "body.stream"),
-        (10, "invalid_body", "body"),
+    read = read_input(content, max_lines=100, max_body_bytes=100)
+    assert not read.errors
+    assert [(x.custom_id, x.url) for x in read.lines] == [("a", CHAT), ("g", "/v1/completions")]
+    assert [(n, custom_id, code) for n, custom_id, code, _ in read.rejected] == [
+        (2, "", "invalid_json_line"),
+        (3, "", "invalid_json_line"),
+        (4, "", "invalid_custom_id"),
+        (5, "b", "invalid_method"),
+        (6, "c", "invalid_url"),
+        (7, "d", "invalid_body"),
+        (8, "e", "invalid_body"),
+        (9, "f", "invalid_body"),
     ]
 
 
-def test_an_input_file_past_its_limits_is_refused():
+def test_a_file_that_cannot_be_run_whole_fails_naming_why():
     many = jsonl(*(line(str(i)) for i in range(5)))
-    _, errors = read_input(many, CHAT, max_lines=3, max_body_bytes=1000)
-    assert [(e["code"], e["line"]) for e in errors] == [("too_many_lines", 4)]
-    assert read_input(b"\xff\xfe", CHAT, 10, 1000)[1][0]["code"] == "invalid_file"
-    assert read_input(b"\n\n", CHAT, 10, 1000)[1][0]["code"] == "empty_file"
+    assert [(e["code"], e["line"]) for e in read_input(many, max_lines=3, max_body_bytes=1000).errors] == [
+        ("too_many_lines", 4)
+    ]
+    twice = jsonl(line("a"), line("b"), line("a"))
+    assert [(e["code"], e["line"]) for e in read_input(twice, 10, 1000).errors] == [
+        ("duplicate_custom_id", 3)
+    ]
+    assert read_input(b"\xff\xfe", 10, 1000).errors[0]["code"] == "invalid_file"
+    assert read_input(b"\n\n", 10, 1000).errors[0]["code"] == "empty_file"
 
 
 def test_lines_sharing_a_prompt_prefix_are_sent_next_to_each_other():
@@ -65,9 +69,9 @@ def test_lines_sharing_a_prompt_prefix_are_sent_next_to_each_other():
         )
 
     content = jsonl(ask("1", "You are A.", "x"), ask("2", "You are B.", "x"), ask("3", "You are A.", "y"))
-    lines, errors = read_input(content, CHAT, 10, 10_000)
-    assert not errors
-    order = [x.custom_id for x in dispatch_order(lines)]
+    read = read_input(content, 10, 10_000)
+    assert not read.errors and not read.rejected
+    order = [x.custom_id for x in dispatch_order(read.lines)]
     assert abs(order.index("1") - order.index("3")) == 1
 
 
