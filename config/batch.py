@@ -16,7 +16,8 @@ class BatchConfig(StrictModel):
     enabled: bool = Field(True, description="Serve /v1/files and /v1/batches.")
     store: str | None = Field(
         None,
-        description="the SQLite file holding files' and batches' records and each line's result; "
+        description="where files' and batches' records and each line's result are kept: a SQLite file "
+        "path, or a PostgreSQL URL (postgresql://user:password@host/db; a multi-node cluster); "
         "null = $RAYLANE_CACHE_DIR/batch/<app>.sqlite3 on the node the batch actor runs on",
     )
     files_dir: str | None = Field(
@@ -51,9 +52,12 @@ class BatchConfig(StrictModel):
 
     @field_validator("store")
     @classmethod
-    def _sqlite_only(cls, value: str | None) -> str | None:
-        if value is not None and "://" in value:
-            raise ValueError(f"{value.split('://')[0]!r} stores are not supported; give a SQLite file path")
+    def _known_store(cls, value: str | None) -> str | None:
+        scheme = value.split("://")[0] if value is not None and "://" in value else None
+        if scheme is not None and scheme not in ("postgresql", "postgres"):
+            raise ValueError(
+                f"{scheme!r} stores are not supported: give a SQLite path or a postgresql:// URL"
+            )
         return value
 
 

@@ -39,7 +39,7 @@ from raylane.deployments.batch.lines import (
     output_line,
     read_input,
 )
-from raylane.deployments.batch.store import BatchStore, now
+from raylane.deployments.batch.store import BatchStore, is_postgresql, now
 from raylane.deployments.metrics.batch import BatchMetrics, batch_reporter
 from raylane.deployments.protocol.errors import OpenAIError
 
@@ -81,7 +81,7 @@ class BatchService:
     def __init__(self, app_name: str, config: dict[str, Any], max_body_bytes: int) -> None:
         self.app_name, self.max_body_bytes = app_name, max_body_bytes
         self.config = BatchConfig.model_validate(config)
-        self.store = BatchStore(*store_paths(app_name, self.config))
+        self.store = BatchStore(*store_location(app_name, self.config), app_name)
         self.tasks: dict[str, asyncio.Task] = {}
         self.metrics = BatchMetrics()
         self._window: Window | None = None
@@ -366,12 +366,19 @@ class BatchService:
         self.store.forget_lines(batch_id)  # the output files hold them now
 
 
-def store_paths(app_name: str, config: BatchConfig) -> tuple[Path, Path]:
-    """The database file and the files' directory of an app's batches."""
+def store_location(app_name: str, config: BatchConfig) -> tuple[str, Path]:
+    """The database (a SQLite path or a PostgreSQL URL) and the files' directory of an app's batches."""
     cache = Path(os.environ.get("RAYLANE_CACHE_DIR", "~/.cache/raylane")).expanduser() / "batch"
-    db = Path(config.store).expanduser() if config.store else cache / f"{app_name}.sqlite3"
+    store = config.store or str(cache / f"{app_name}.sqlite3")
     files = Path(config.files_dir).expanduser() if config.files_dir else cache / f"{app_name}-files"
-    return db, files
+    return store, files
+
+
+def may_hold_batches(app_name: str, config: BatchConfig) -> bool:
+    """Whether an earlier run may have left batches to take up: a SQLite file that exists (checked
+    on this node), or any PostgreSQL database."""
+    store, _ = store_location(app_name, config)
+    return is_postgresql(store) or Path(store).expanduser().exists()
 
 
 def service_name(app_name: str) -> str:

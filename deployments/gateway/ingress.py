@@ -33,7 +33,7 @@ from raylane.bounded_worker import BoundedWorker, WorkerBusy, WorkerTimeout, sta
 from raylane.config import ClusterConfig
 from raylane.config.batch import BATCH_TIER, batch_tier
 from raylane.deployments import live_config
-from raylane.deployments.batch.service import store_paths
+from raylane.deployments.batch.service import may_hold_batches
 from raylane.deployments.gateway.affinity import ConversationAffinity
 from raylane.deployments.gateway.batch_api import BatchApi, list_limit, owner, page
 from raylane.deployments.gateway.dispatch import Dispatcher, error_response
@@ -206,7 +206,7 @@ class Gateway:
         self._reconfiguring = asyncio.Lock()
         self.batch_api = BatchApi(context.app_name, self.config)
         self.batch_tier = batch_tier(list(self.config.tiers), self.config.batch)
-        if self.config.batch.enabled and store_paths(context.app_name, self.config.batch)[0].exists():
+        if self.config.batch.enabled and may_hold_batches(context.app_name, self.config.batch):
             self.batch_api.service  # noqa: B018  (batches of an earlier run may wait: take them up)
 
     async def reconfigure(self, user_config: dict) -> None:

@@ -3,9 +3,10 @@ each limit on what one request may ask for.
 
 The fuzz (schemathesis over /openapi.json, positive and negative cases) sends at least 1,000
 requests to /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses (and GET/DELETE of
-a stored one), /tokenize, /detokenize, /v1/models and the Batch API's routes (files' and batches'): no 5xx, every 4xx in OpenAI's error shape,
-every 2xx valid against the schema the gateway publishes (a stream: JSON events then [DONE], or the
-Responses API's typed events ending in response.completed / response.incomplete; no error event).
+a stored one), /tokenize, /detokenize, /v1/models and the Batch API's routes (files', batches'):
+no 5xx, every 4xx in OpenAI's error shape, every 2xx valid against the schema the gateway
+publishes (a stream: JSON events then [DONE], or the Responses API's typed events ending in
+response.completed / response.incomplete; no error event).
 The app under test is an ordinary one with a 64-token context window, so that generated requests
 that are valid (positive cases name a served `model`; negative ones may not) reach the engine and
 cost at most 64 tokens each. The cases are the same every run (derandomized), so a failure

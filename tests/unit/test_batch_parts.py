@@ -9,6 +9,7 @@ import pytest
 from raylane.deployments.batch.lines import dispatch_order, read_input
 from raylane.deployments.batch.service import Window
 from raylane.deployments.batch.store import BatchStore
+from tests.postgresql_server import postgresql_url  # noqa: F401  (a fixture)
 
 CHAT = "/v1/chat/completions"
 
@@ -75,9 +76,32 @@ def test_lines_sharing_a_prompt_prefix_are_sent_next_to_each_other():
     assert abs(order.index("1") - order.index("3")) == 1
 
 
-@pytest.fixture
-def store(tmp_path):
-    return BatchStore(tmp_path / "b.sqlite3", tmp_path / "files")
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path):
+    """The store on each of its databases (PostgreSQL: a real server, its database emptied for each
+    test; a second app's rows beside this one's, which no query may see)."""
+    if request.param == "sqlite":
+        location = str(tmp_path / "b.sqlite3")
+    else:
+        location = request.getfixturevalue("postgresql_url")
+        BatchStore(location, tmp_path / "x", "app").db.write(
+            "TRUNCATE raylane_batches, raylane_batch_files, raylane_batch_lines"
+        )
+    neighbour = BatchStore(location, tmp_path / "other", "other-app")
+    neighbour.put_batch(batch("theirs"), "me", "k")
+    neighbour.add_file(
+        {
+            "id": "their-file",
+            "purpose": "batch",
+            "filename": "x",
+            "bytes": 1,
+            "created_at": 1,
+            "expires_at": 1,
+        },
+        "me",
+        b"x",
+    )
+    return BatchStore(location, tmp_path / "files", "app")
 
 
 def batch(batch_id: str, status: str = "in_progress") -> dict:
