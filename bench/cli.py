@@ -16,6 +16,7 @@ BENCHMARKS = {
     "grammar-bound": "raylane.bench.grammar_bound",
     "overhead": "raylane.bench.overhead",
     "affinity": "raylane.bench.affinity",
+    "batch": "raylane.bench.batch",
     "gpu-check": "raylane.bench.gpu_check",
     "recovery": "raylane.bench.recovery",
     "report": "raylane.bench.report",

@@ -1,7 +1,10 @@
 """A batch's input file, read and checked, and the lines of its output and error files, in OpenAI's
 formats: an input line is `{"custom_id", "method": "POST", "url", "body"}`; an output line
 `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}`, and a
-line that never got a response `{..., "response": null, "error": {"code", "message"}}`."""
+line that never got a response `{..., "response": null, "error": {"code", "message"}}`.
+
+A line's url may be any of the endpoints a batch serves, whatever the batch's own `endpoint` (OpenAI
+requires them to match): a file may mix chat and completions lines."""
 
 from __future__ import annotations
 

@@ -9,10 +9,10 @@ and each batch not yet ended is taken up where it stood, running only the lines 
 Spare capacity: a line goes to the gateway's `run_batch_line`, which serves it like an HTTP request
 of the app's lowest tier (`batch`: below every interactive tier, sheddable, holding at most
 `batch.max_pool_share` of a pool's slots; the engine schedules it last). How many lines are in
-flight, over all batches, is a window that grows by one line per window of lines answered while the
-pool had nobody waiting, and halves as soon as a line finds the pool busy or is turned away
-(additive increase, multiplicative decrease, as TCP does with a network): batches fill what is idle
-and step back at once when interactive traffic comes.
+flight, over all batches, is a window that grows by one line per window of lines answered while no
+other tier used the pool, and halves as soon as a line finds interactive requests on it or is
+turned away (additive increase, multiplicative decrease, as TCP does with a network): batches fill
+what is idle and step back at once when interactive traffic comes.
 """
 
 from __future__ import annotations
@@ -55,25 +55,35 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
 
 
 class Window:
-    """How many lines may be in flight: additive increase while pools are idle, halved when busy."""
+    """How many lines may be in flight: additive increase while pools are idle, halved when busy;
+    and after a line that found other tiers on its pool, no new line for as long as it took (while
+    interactive traffic lasts, batches hold a slot at most half the time)."""
 
     def __init__(self, limit: int) -> None:
         self.max, self.size, self.in_flight = limit, 1.0, 0
+        self.resume_at = 0.0  # monotonic time before which no line starts
         self._changed = asyncio.Condition()
 
     async def acquire(self) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.in_flight < int(self.size))
-            self.in_flight += 1
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(lambda: self.in_flight < int(self.size))
+                pause = self.resume_at - time.monotonic()
+                if pause <= 0:
+                    self.in_flight += 1
+                    return
+            await asyncio.sleep(pause)
 
-    async def release(self, idle: bool | None) -> None:
-        """`idle`: the pool had nobody waiting (grow), was busy or refused (shrink), None: unknown."""
+    async def release(self, idle: bool | None, held_s: float = 0.0) -> None:
+        """`idle`: the pool served nobody else (grow), was busy or refused (shrink and pause for
+        `held_s`, the time the line took), None: unknown."""
         async with self._changed:
             self.in_flight -= 1
             if idle is True:
                 self.size = min(self.max, self.size + 1 / int(self.size))
             elif idle is False:
                 self.size = max(1.0, self.size / 2)
+                self.resume_at = max(self.resume_at, time.monotonic() + held_s)
             self._changed.notify_all()
 
 
@@ -286,9 +296,10 @@ class BatchService:
     async def _run_line(self, batch: dict, key_id: str, line: InputLine) -> None:
         """One line, holding a place in the window (taken by the caller) while it runs, and tried
         again later while it is turned away for load; its result is recorded once."""
-        wait_s, held, idle = RETRY_S[0], True, None
+        wait_s, held, idle, started = RETRY_S[0], True, None, time.monotonic()
         try:
             for attempt in range(self.config.line_retries + 1):
+                started = time.monotonic()
                 try:
                     status, body, busy = await self.gateway.run_batch_line.remote(key_id, line.url, line.body)
                 except Exception as e:  # the gateway replica died or is being replaced: not the line's
@@ -313,7 +324,7 @@ class BatchService:
             idle = not busy and status not in (429, 503)
         finally:
             if held:
-                await self._window.release(idle)
+                await self._window.release(idle, time.monotonic() - started)
 
     def _count(self, endpoint: str, status: int, record: dict) -> None:
         self.metrics.lines.labels(endpoint=endpoint, result="completed" if status < 400 else "failed").inc()

@@ -48,6 +48,9 @@ class BatchApi:
             self._service = handle
         return self._service
 
+    def start(self) -> None:
+        self.service  # noqa: B018  (creating the handle starts the actor driving)
+
     async def call(self, method: str, *args: Any) -> Any:
         try:
             return await getattr(self.service, method).remote(*args)

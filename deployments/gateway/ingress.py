@@ -207,7 +207,7 @@ class Gateway:
         self.batch_api = BatchApi(context.app_name, self.config)
         self.batch_tier = batch_tier(list(self.config.tiers), self.config.batch)
         if self.config.batch.enabled and may_hold_batches(context.app_name, self.config.batch):
-            self.batch_api.service  # noqa: B018  (batches of an earlier run may wait: take them up)
+            self.batch_api.start()  # batches an earlier run left are taken up now
 
     async def reconfigure(self, user_config: dict) -> None:
         """Serve calls this when the app's gateway user config changes (`raylane apply`, or an edit
