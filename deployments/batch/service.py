@@ -116,13 +116,16 @@ class BatchService:
 
     async def _loop(self) -> None:
         while True:
-            for batch_id, _owner, key_id in self.store.active():
-                if batch_id not in self.tasks:
-                    task = asyncio.create_task(self._run_batch(batch_id, key_id))
-                    self.tasks[batch_id] = task
-                    task.add_done_callback(lambda _, b=batch_id: self.tasks.pop(b, None))
-            for file_id, owner in self.store.expired_files(now()):
-                self.store.delete_file(file_id, owner)
+            try:
+                for batch_id, _owner, key_id in self.store.active():
+                    if batch_id not in self.tasks:
+                        task = asyncio.create_task(self._run_batch(batch_id, key_id))
+                        self.tasks[batch_id] = task
+                        task.add_done_callback(lambda _, b=batch_id: self.tasks.pop(b, None))
+                for file_id, owner in self.store.expired_files(now()):
+                    self.store.delete_file(file_id, owner)
+            except Exception:  # the database away for a moment: look again at the next wake
+                logger.exception("the batch runner could not read its records")
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), 60)
@@ -267,6 +270,7 @@ class BatchService:
         batch = self.store.batch(batch_id)
         content = await asyncio.to_thread(self.store.path_of(batch["input_file_id"]).read_bytes)
         read = await asyncio.to_thread(read_input, content, self.config.max_lines, self.max_body_bytes)
+        batch = self.store.batch(batch_id)  # cancelled while the file was read: not in progress
         if batch["status"] == "validating":
             if read.errors:
                 batch["errors"] = {"object": "list", "data": read.errors}
