@@ -226,6 +226,35 @@ def test_a_batch_survives_its_gateway_pool_and_actor_dying_and_runs_no_line_twic
     assert replica_names("raylane", "ModelPool:chat") not in ([], [pool])
 
 
+def test_a_batch_is_taken_up_by_a_new_actor_after_the_app_restarts(client, api_server):
+    """As after `raylane serve` is restarted: the batch actor gone for good (as the app's shutdown
+    removes it), then a new gateway replica starting. It finds the batch database of the earlier
+    run, starts a new actor, and the batch finishes with every line once."""
+    from tests.reliability.conftest import replica_names
+
+    lines = [chat_line(f"l{i}", f"Name the fruit number {i}.", max_tokens=24) for i in range(20)]
+    batch = submit(client, lines)
+    wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3, 120, "three lines")
+    ray.kill(ray.get_actor("raylane-batch-raylane", namespace="raylane"), no_restart=True)
+    gateway = kill_one("raylane", "Gateway")
+    wait_until(lambda: replica_names("raylane", "Gateway") not in ([], [gateway]), 120, "a new gateway")
+    wait_healthy(f"{api_server.url}/health", 120)
+
+    def actor_alive() -> bool:
+        try:
+            actor = ray.get_actor("raylane-batch-raylane", namespace="raylane")
+            return isinstance(ray.get(actor.active_batches.remote(), timeout=30), list)
+        except (ValueError, ray.exceptions.RayError):
+            return False
+
+    # Before any call of the Batch API (which would start one too): the gateway's own start did.
+    wait_until(actor_alive, 60, "a new batch actor")
+    batch, _ = wait_ended(client, batch.id, timeout_s=240)
+    assert batch.status == "completed" and batch.request_counts.completed == 20
+    output = records(client, batch.output_file_id)
+    assert sorted(r["custom_id"] for r in output) == sorted(f"l{i}" for i in range(20))
+
+
 def test_another_key_cannot_see_a_keys_batch_or_file(router_server):
     def keyed(tier: str) -> openai.OpenAI:
         return openai.OpenAI(base_url=router_server.base_url, api_key=ROUTER_KEYS[tier], max_retries=0)
