@@ -14,6 +14,8 @@ import ray
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
+from raylane.cluster.status import collect, render
+from tests.integration.test_metrics import scrape, value
 from tests.live_servers import ROUTER_KEYS, wait_healthy, wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -60,7 +62,7 @@ def records(client: openai.OpenAI, file_id: str | None) -> list[dict]:
     return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
 
 
-def test_a_200_line_batch_mixing_endpoints_and_auto_runs_every_line_once(client):
+def test_a_200_line_batch_mixing_endpoints_and_auto_runs_every_line_once(client, api_server):
     """Chat lines to a pool and to `auto`, completions lines, one line that is not JSON and one
     naming no served model: 200 answers, two error lines, one completed batch."""
     lines = []
@@ -96,6 +98,17 @@ def test_a_200_line_batch_mixing_endpoints_and_auto_runs_every_line_once(client)
     assert "no-such-model" in failed["lost"]["response"]["body"]["error"]["message"]
     usage = sum(r["response"]["body"]["usage"]["total_tokens"] for r in output)
     assert batch.usage.total_tokens == usage > 0
+
+    def counted() -> bool:  # the batch actor reports its counts each second: they arrive
+        samples = scrape(api_server.url)
+        return (
+            value(samples, "raylane_batch_lines_total", endpoint="/v1/completions", result="completed") >= 67
+            and value(samples, "raylane_batch_lines_total", result="failed") >= 2
+            and value(samples, "raylane_batch_tokens_total", kind="output") >= batch.usage.output_tokens
+            and value(samples, "raylane_batches", status="completed") >= 1
+        )
+
+    wait_until(counted, 30, "the batch's lines, tokens and status in /metrics")
 
 
 def test_a_batch_line_is_answered_as_the_same_request_sent_alone(client):
@@ -182,6 +195,10 @@ def test_a_cancelled_batch_keeps_the_lines_it_finished(client):
     batch = submit(client, lines)
     while client.batches.retrieve(batch.id).request_counts.completed < 2:
         time.sleep(0.2)
+    rows, app_wide = collect("raylane")  # `raylane status` lists it, with its progress
+    (listed,) = [b for b in app_wide["batches"] if b["id"] == batch.id]
+    assert listed["status"] == "in_progress" and listed["request_counts"]["completed"] >= 2
+    assert batch.id in render(rows, app_wide)
     assert client.batches.cancel(batch.id).status == "cancelling"
     batch, seen = wait_ended(client, batch.id)
     assert batch.status == "cancelled" and batch.cancelled_at is not None
