@@ -93,7 +93,8 @@ def _batches(app_name: str) -> list[dict]:
     """The app's batches not yet ended, with their progress (none when it never ran a batch)."""
     import ray
 
-    from raylane.deployments.batch.service import NAMESPACE, service_name
+    from raylane.deployments.batch.service import service_name
+    from raylane.deployments.detached import NAMESPACE
 
     try:
         actor = ray.get_actor(service_name(app_name), namespace=NAMESPACE)

@@ -27,9 +27,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import ray
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
 from raylane.config.batch import BatchConfig
 from raylane.deployments.batch.lines import (
     InputLine,
@@ -40,11 +37,11 @@ from raylane.deployments.batch.lines import (
     read_input,
 )
 from raylane.deployments.batch.store import BatchStore, is_postgresql, now
+from raylane.deployments.detached import detached_actor, end_detached
 from raylane.deployments.metrics.batch import BatchMetrics, batch_reporter
 from raylane.deployments.protocol.errors import OpenAIError
 
 logger = logging.getLogger(__name__)
-NAMESPACE = "raylane"
 WINDOW_24H = 24 * 3600
 RETRY_S = (1.0, 30.0)  # a line turned away for load waits this long (doubling) before its next try
 
@@ -401,22 +398,12 @@ def service_name(app_name: str) -> str:
 
 
 def batch_service(app_name: str, config: BatchConfig, max_body_bytes: int):
-    """The app's batch actor handle, created by the first gateway replica that asks."""
-    actor = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(BatchService)
-    return actor.options(
-        name=service_name(app_name),
-        namespace=NAMESPACE,
-        lifetime="detached",
-        get_if_exists=True,
-        # In no replica's placement group, whose removal would take it with it.
-        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None),
-    ).remote(app_name, config.model_dump(), max_body_bytes)
+    """The app's batch actor handle, created by the first gateway replica that asks. Its pending
+    calls are retried when Ray restarts it (`run` among them: see `BatchService.run`)."""
+    args = (app_name, config.model_dump(), max_body_bytes)
+    return detached_actor(BatchService, service_name(app_name), *args, max_task_retries=-1)
 
 
 def delete_batch_service(app_name: str) -> bool:
     """End the app's batch actor when the app goes away (its records stay on disk for the next)."""
-    try:
-        ray.kill(ray.get_actor(service_name(app_name), namespace=NAMESPACE))
-    except ValueError:
-        return False
-    return True
+    return end_detached(service_name(app_name))

@@ -17,6 +17,7 @@ from fastapi import Request
 
 from raylane.config import ClusterConfig
 from raylane.deployments.gateway.request_body import parse_bytes, read_body
+from raylane.deployments.gateway.responses_api import owner as response_owner
 from raylane.deployments.protocol.batch_schemas import BatchCreateRequest
 from raylane.deployments.protocol.errors import OpenAIError, client_error, invalid, unavailable
 from raylane.router import Principal
@@ -26,7 +27,8 @@ FORM_OVERHEAD = 64 * 1024  # bytes of a multipart body beyond the file (boundari
 
 
 def owner(principal: Principal) -> str:
-    return "" if principal.key_id.startswith("anonymous") else principal.key_id
+    """Whose records a caller sees: as for stored responses, its API key; everyone's in open mode."""
+    return response_owner(principal) or ""
 
 
 class BatchApi:
@@ -102,55 +104,33 @@ def list_limit(request: Request, default: int, most: int) -> int:
 
 
 def parse_form(body: bytes, content_type: str) -> tuple[dict[str, str], tuple[str, bytes] | None]:
-    """The text fields of a multipart form, and its one file (filename, bytes); 400 when it is not a
-    multipart form (python-multipart's parser: linear in the body)."""
-    from python_multipart.multipart import MultipartParser, parse_options_header
+    """The text fields of a multipart form, and its one file (filename, bytes), by python-multipart's
+    parser (linear in the body, which is whole in memory already); 400 when it is not one."""
+    from python_multipart import create_form_parser
+    from python_multipart.multipart import parse_options_header
 
     kind, options = parse_options_header(content_type)
-    boundary = options.get(b"boundary")
-    if kind != b"multipart/form-data" or not boundary:
+    if kind != b"multipart/form-data" or not options.get(b"boundary"):
         raise invalid("file", "Upload the file as multipart/form-data (fields `file` and `purpose`).")
-    parts: list[tuple[dict[bytes, bytes], bytearray]] = []
-    header = [b"", b""]
+    fields: dict[str, str] = {}
+    files: list = []
 
-    def on_part_begin() -> None:
-        parts.append(({}, bytearray()))
+    def on_field(field) -> None:
+        fields[field.field_name.decode(errors="replace")] = (field.value or b"")[:1024].decode(
+            errors="replace"
+        )
 
-    def on_header_field(data: bytes, start: int, end: int) -> None:
-        header[0] += data[start:end]
-
-    def on_header_value(data: bytes, start: int, end: int) -> None:
-        header[1] += data[start:end]
-
-    def on_header_end() -> None:
-        parts[-1][0][header[0].lower()] = header[1]
-        header[0] = header[1] = b""
-
-    def on_part_data(data: bytes, start: int, end: int) -> None:
-        parts[-1][1].extend(data[start:end])
-
-    callbacks = {
-        "on_part_begin": on_part_begin,
-        "on_header_field": on_header_field,
-        "on_header_value": on_header_value,
-        "on_header_end": on_header_end,
-        "on_part_data": on_part_data,
-    }
+    headers = {"Content-Type": content_type.encode()}
+    config = {"MAX_MEMORY_FILE_SIZE": len(body) + 1}  # kept in memory: never spooled to disk
     try:
-        parser = MultipartParser(boundary, callbacks)
+        parser = create_form_parser(headers, on_field, files.append, config=config)
         parser.write(body)
         parser.finalize()
     except Exception as e:  # python-multipart's errors for a malformed body
         raise invalid("file", f"The multipart form could not be read: {e}.") from None
-    fields: dict[str, str] = {}
-    file = None
-    for headers, data in parts:
-        _, disposition = parse_options_header(headers.get(b"content-disposition", b""))
-        name = disposition.get(b"name", b"").decode(errors="replace")
-        if b"filename" in disposition:
-            if file is not None:
-                raise invalid("file", "Upload one file at a time.")
-            file = (disposition[b"filename"].decode(errors="replace")[:256], bytes(data))
-        elif len(data) <= 1024:
-            fields[name] = data.decode(errors="replace")
-    return fields, file
+    if len(files) > 1:
+        raise invalid("file", "Upload one file at a time.")
+    if not files:
+        return fields, None
+    name = (files[0].file_name or b"").decode(errors="replace")[:256]
+    return fields, (name, files[0].file_object.getvalue())

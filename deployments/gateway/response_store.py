@@ -21,10 +21,9 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-import ray
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from raylane.deployments.detached import NAMESPACE, detached_actor, end_detached
 
-NAMESPACE = "raylane"
+__all__ = ["NAMESPACE", "ResponseStore", "delete_response_store", "response_store", "store_name"]
 
 
 class ResponseStore:
@@ -87,21 +86,9 @@ def store_name(app_name: str) -> str:
 def delete_response_store(app_name: str) -> bool:
     """End the app's store (its responses with it) when the app goes away on a cluster that stays up;
     whether there was one."""
-    try:
-        ray.kill(ray.get_actor(store_name(app_name), namespace=NAMESPACE))
-    except ValueError:  # no such actor: the app never stored a response
-        return False
-    return True
+    return end_detached(store_name(app_name))
 
 
 def response_store(app_name: str, max_entries: int, ttl_s: float, max_per_key: int | None = None):
     """The app's store actor handle, created by the first replica that asks (the others get it)."""
-    actor = ray.remote(num_cpus=0, max_restarts=-1)(ResponseStore)
-    return actor.options(
-        name=store_name(app_name),
-        namespace=NAMESPACE,
-        lifetime="detached",
-        get_if_exists=True,
-        # In no replica's placement group, whose removal would take the stored responses with it.
-        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None),
-    ).remote(max_entries, ttl_s, max_per_key)
+    return detached_actor(ResponseStore, store_name(app_name), max_entries, ttl_s, max_per_key)

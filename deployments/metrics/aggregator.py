@@ -14,10 +14,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 
+from raylane.deployments.detached import NAMESPACE, detached_actor
 from raylane.deployments.metrics.metric_set import Key
 
 STALE_AFTER_S = 30.0  # a replica silent this long is gone: its gauges are dropped
-AGGREGATOR_NAMESPACE = "raylane"
+AGGREGATOR_NAMESPACE = NAMESPACE
 HISTORY_INTERVAL_S = 5.0  # totals kept every 5 s for `rates()` (raylane status)
 HISTORY_LEN = 25
 
@@ -30,28 +31,11 @@ def get_aggregator(app_name: str | None = None, create: bool = True):
     """The app's `MetricsAggregator` actor (created on first use: detached, so that no replica's
     restart takes the totals with it; `max_restarts` brings it back after a node loss)."""
     import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     name = aggregator_name(app_name)
     if not create:
         return ray.get_actor(name, namespace=AGGREGATOR_NAMESPACE)
-    return (
-        ray.remote(MetricsAggregator)
-        .options(
-            name=name,
-            namespace=AGGREGATOR_NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-            num_cpus=0,
-            max_restarts=-1,
-            max_concurrency=1,
-            # Not in the placement group of the pool replica that happens to create it (Serve's
-            # replicas capture their children): removing that group when the replica dies or scales
-            # down would kill the aggregator and, with it, every total.
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None),
-        )
-        .remote()
-    )
+    return detached_actor(MetricsAggregator, name, max_concurrency=1)
 
 
 class MetricsAggregator:
