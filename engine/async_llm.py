@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from raylane.config import EngineConfig
+from raylane.engine.core_launch import CoreLaunch
 from raylane.engine.core_messages import (
     Aborted,
     AbortRequest,
@@ -46,7 +47,15 @@ if TYPE_CHECKING:  # the model and its torch/transformers imports load only wher
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig | None = None, placement_group=None, **engine_args):
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        placement_group=None,
+        core_launch: CoreLaunch | None = None,
+        **engine_args,
+    ):
+        """`core_launch`: the engine core process, started already with `config` by the caller
+        (`engine/core_launch.py`), for an engine that runs in one."""
         self.config = config or EngineConfig(**engine_args)
         self._lock = threading.Lock()  # orders commands against the core dying
         self._streams: dict[str, RequestOutputCollector] = {}
@@ -60,7 +69,7 @@ class AsyncLLM:
         if placement_group is None and self.config.uses_core_process:
             from raylane.engine.core_proc import EngineCoreProc
 
-            self._core = EngineCoreProc(self.config, on_events)
+            self._core = EngineCoreProc(self.config, on_events, core_launch)
             self.engine: LLMEngine | None = None  # it lives in the core process
         else:
             from raylane.engine.core_thread import EngineCoreThread

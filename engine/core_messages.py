@@ -12,15 +12,13 @@ object. Every command but `Shutdown` carries a `token` that its answer repeats, 
     Shutdown         (no answer: the loop ends)
 
 Each step's outputs come as one `Outputs`. If the engine fails, the last event is `EngineDied`:
-nothing runs after it. A core process starts with `StartCore` from the serving side and answers
-`CoreReady` or `CoreFailed` once its engine is loaded (or not).
+nothing runs after it. (A core process's start-up messages are in `engine/core_launch.py`.)
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from raylane.config import EngineConfig
 from raylane.engine.outputs import RequestOutput
 from raylane.engine.request import Resumption
 from raylane.engine.sampling_params import SamplingParams
@@ -93,21 +91,3 @@ class EngineDied:
 
 
 Event = RequestAdded | Aborted | RunResult | Outputs | EngineDied
-
-# -- a core process's start-up -------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class StartCore:
-    config: EngineConfig
-    torch_threads: int  # as many as the serving process has (what an engine thread would use)
-
-
-@dataclass(frozen=True, slots=True)
-class CoreReady:
-    max_model_len: int
-
-
-@dataclass(frozen=True, slots=True)
-class CoreFailed:
-    error: BaseException  # what loading the engine raised, re-raised in the serving process

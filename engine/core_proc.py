@@ -3,11 +3,9 @@
 In a serving process the event loop spends CPU on every streamed chunk (the replica's RPC, the
 SSE framing). On an engine thread of the same process that work takes turns with the engine's
 Python for the GIL, so streaming slows the steps themselves. Here the `EngineLoop` runs in a child
-process (spawned, so no thread state is forked) and talks to `AsyncLLM` over a pipe: pickled
-commands in, one pickled list of events per engine pass out (`engine/core_messages.py`), never a
-round trip per step.
-The child is `python -m raylane.engine.core_proc FD` with one end of a socket pair, not a multiprocessing
-spawn, which would re-run the caller's `__main__` script in the child.
+process (started by `engine/core_launch.py`, so no thread state is forked) and talks to `AsyncLLM`
+over a pipe: pickled commands in, one pickled list of events per engine pass out
+(`engine/core_messages.py`), never a round trip per step.
 
 The child ignores SIGINT (the serving process decides when to stop: `raylane serve` drains first)
 and exits when the pipe closes, so it never outlives the process that started it. The model runs
@@ -18,10 +16,8 @@ processes of their own.
 import contextlib
 import dataclasses
 import logging
-import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,16 +25,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from raylane.config import EngineConfig
-from raylane.engine.core_messages import (
-    Command,
-    CoreFailed,
-    CoreReady,
-    EngineDied,
-    Event,
-    RunResult,
-    Shutdown,
-    StartCore,
-)
+from raylane.engine.core_launch import CoreFailed, CoreLaunch, CoreReady, StartCore, launch_core
+from raylane.engine.core_messages import Command, EngineDied, Event, RunResult, Shutdown
 from raylane.engine.engine_loop import EngineLoop
 from raylane.engine.errors import EngineDeadError
 
@@ -74,8 +62,12 @@ def run_engine_core(conn: Connection) -> None:
 
     from raylane.engine.llm_engine import LLMEngine
 
-    start: StartCore = pickle.loads(conn.recv_bytes())
-    torch.set_num_threads(start.torch_threads)
+    try:
+        start: StartCore = pickle.loads(conn.recv_bytes())
+    except EOFError:  # the serving side gave up before it needed this core
+        return
+    if start.torch_threads is not None:
+        torch.set_num_threads(start.torch_threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-core: %(message)s")
     try:
@@ -110,19 +102,17 @@ class EngineCoreProc:
     """The serving side of an engine core process: `submit` commands, events go to `on_events`
     from a reader thread. If the child dies, `on_events` gets a last `EngineDied`."""
 
-    def __init__(self, config: EngineConfig, on_events: Callable[[list[Event]], None]):
-        """Starts the child and hands it `config`; it loads the model while this process goes on
-        (the caller loads its tokenizer meanwhile); `wait_ready` waits for it."""
-        import torch
+    def __init__(
+        self, config: EngineConfig, on_events: Callable[[list[Event]], None], launch: CoreLaunch | None = None
+    ):
+        """Starts the child with `config` (or takes `launch`, the child a caller started already with
+        it); it loads the model while this process goes on (the caller loads its tokenizer meanwhile);
+        `wait_ready` waits for it."""
+        if launch is None:
+            import torch
 
-        mine, theirs = socket.socketpair()
-        env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # import what we import
-        fd = theirs.fileno()
-        command = [sys.executable, "-m", "raylane.engine.core_proc", str(fd)]
-        self.process = subprocess.Popen(command, pass_fds=[fd], env=env)
-        theirs.close()
-        self._conn = Connection(mine.detach())
-        self._conn.send_bytes(_dumps(StartCore(config, torch.get_num_threads())))
+            launch = launch_core(config, torch.get_num_threads())
+        self.process, self._conn = launch.process, launch.conn
         self._on_events = on_events
         self._send_lock = threading.Lock()
         self._closing = False

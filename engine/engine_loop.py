@@ -8,9 +8,12 @@ engine has nothing to do); `emit(events)` gets the events of one pass, in order:
 that pass's commands, then the step's `Outputs`.
 """
 
+from __future__ import annotations
+
 import logging
 import queue
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from raylane.engine.core_messages import (
     Aborted,
@@ -26,7 +29,9 @@ from raylane.engine.core_messages import (
     Shutdown,
 )
 from raylane.engine.errors import EngineDeadError
-from raylane.engine.llm_engine import LLMEngine
+
+if TYPE_CHECKING:  # the serving side of a core process imports this module, never the model
+    from raylane.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 

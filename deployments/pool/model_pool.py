@@ -4,6 +4,10 @@
 group with one bundle per rank, so at tensor-parallel size > 1 the engine's Ray executor starts its
 rank actors inside the replica's own bundles (as Ray Serve LLM does); at size 1 the engine runs in
 this process. The class itself does not import Serve, so it runs (and is tested) without it.
+
+The module imports nothing heavy: a new replica starts its engine core process first, and only then
+imports torch, xgrammar and its serving code, while the core imports its own and loads the model
+(two start-ups at once on two cores: `raylane bench recovery` in bench/README.md).
 """
 
 from __future__ import annotations
@@ -15,20 +19,14 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from typing import TYPE_CHECKING
 
-from raylane.bounded_worker import start_forkserver
 from raylane.config import EngineConfig, PoolConfig
-from raylane.deployments.metrics.pool import MeteredLLM, PoolMetrics, engine_stats
-from raylane.deployments.metrics.reporter import MetricsReporter
-from raylane.deployments.pool.serving_chat import OpenAIServingChat
-from raylane.deployments.pool.serving_completion import OpenAIServingCompletion
-from raylane.deployments.pool.serving_responses import OpenAIServingResponses
-from raylane.deployments.pool.serving_tokenization import OpenAIServingTokenization
-from raylane.deployments.pool.tokenize_offload import tokenize_off_loop
-from raylane.deployments.protocol.tokenization_schemas import DetokenizeRequest, TokenizeRequest
-from raylane.deployments.protocol.wire import PoolItem, PoolRequest
-from raylane.engine import AsyncLLM
-from raylane.engine.grammar_compiler import COMPILE_PRELOAD, GrammarCompileService, tokenizer_info_json
+from raylane.engine.core_launch import CoreLaunch, launch_core
+
+if TYPE_CHECKING:
+    from raylane.deployments.protocol.tokenization_schemas import DetokenizeRequest, TokenizeRequest
+    from raylane.deployments.protocol.wire import PoolItem, PoolRequest
 
 logger = logging.getLogger(__name__)
 HEALTH_PROBE_TIMEOUT_S = 10.0
@@ -47,7 +45,30 @@ class ModelPool:
         self.pool = PoolConfig.model_validate(pool)
         config = prepare_engine_config(self.pool)
         logger.info("pool %s: loading %s", self.pool.name, config.model)
-        self.llm = AsyncLLM(config)
+        launch = launch_core(config) if config.uses_core_process else None
+        try:
+            self._start(config, launch, started)
+        except BaseException:
+            if launch is not None and getattr(self, "llm", None) is None:
+                launch.cancel()
+            raise
+
+    def _start(self, config: EngineConfig, launch: CoreLaunch | None, started: float) -> None:
+        from raylane.bounded_worker import start_forkserver
+        from raylane.deployments.metrics.pool import MeteredLLM, PoolMetrics
+        from raylane.deployments.metrics.reporter import MetricsReporter
+        from raylane.deployments.pool.serving_chat import OpenAIServingChat
+        from raylane.deployments.pool.serving_completion import OpenAIServingCompletion
+        from raylane.deployments.pool.serving_responses import OpenAIServingResponses
+        from raylane.deployments.pool.serving_tokenization import OpenAIServingTokenization
+        from raylane.engine import AsyncLLM
+        from raylane.engine.grammar_compiler import (
+            COMPILE_PRELOAD,
+            GrammarCompileService,
+            tokenizer_info_json,
+        )
+
+        self.llm = AsyncLLM(config, core_launch=launch)
         engine_ready = time.time()
         self.metrics = PoolMetrics(self.pool.name, self.pool.model_id)
         self.reporter = MetricsReporter(self.metrics, self._gauges)
@@ -106,6 +127,8 @@ class ModelPool:
     async def tokenize(self, request: TokenizeRequest) -> str:
         """vLLM's /tokenize with this pool's tokenizer and chat template: the response's JSON; a
         client mistake raises its `OpenAIError` (the gateway unwraps it)."""
+        from raylane.deployments.pool.tokenize_offload import tokenize_off_loop
+
         return await tokenize_off_loop(lambda: self.tokenization.tokenize(request), request)
 
     async def detokenize(self, request: DetokenizeRequest) -> str:
@@ -119,6 +142,8 @@ class ModelPool:
 
     async def _gauges(self) -> tuple[dict, dict]:
         """Engine state for the metrics reporter (the counters stay as they were if the engine died)."""
+        from raylane.deployments.metrics.pool import engine_stats
+
         try:
             self.metrics.set_engine_stats(await self.llm.run_in_engine(engine_stats))
         except Exception:
@@ -127,6 +152,7 @@ class ModelPool:
 
     async def stats(self) -> dict:
         """Load of this replica (for the router's admission control, /health and tests)."""
+        from raylane.deployments.metrics.pool import engine_stats
 
         self.reporter.start()
         stats = await self.llm.run_in_engine(engine_stats)
@@ -140,6 +166,8 @@ class ModelPool:
     async def record_routing_stats(self) -> dict:
         """Serve calls this every `routing.stats_period_s`; the pool's request router
         (deployments/gateway/request_router.py) reads it as the replica's `routing_stats`."""
+        from raylane.deployments.metrics.pool import engine_stats
+
         stats = await self.llm.run_in_engine(engine_stats)
         return {
             "kv_cache_usage": stats["kv_cache_usage"],

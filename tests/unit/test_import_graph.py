@@ -162,14 +162,19 @@ def test_every_import_names_the_raylane_root():
 
 def test_a_pool_replica_does_not_import_the_model_its_engine_core_process_runs():
     """A replica's Python imports the serving side; the model, runner and their transformers/torch
-    modules load only in the engine core process. Both import in turn when a replica restarts, so
-    each module the replica drags along lengthens a recovery (`raylane bench recovery`)."""
+    modules load only in the engine core process. Each module the replica drags along lengthens a
+    recovery (`raylane bench recovery`): so does any the replica imports before it has started its
+    core, which is why the deployment's own module imports no torch at all."""
     probe = (
-        "import sys, raylane.deployments.pool.model_pool; "
+        "import sys, raylane.deployments.pool.model_pool; print('torch' in sys.modules); "
+        "import raylane.deployments.pool.serving_chat, raylane.deployments.pool.serving_responses, "
+        "raylane.deployments.pool.serving_completion, raylane.deployments.pool.serving_tokenization, "
+        "raylane.deployments.metrics.pool, raylane.engine.async_llm, raylane.engine.core_proc, "
+        "raylane.engine.grammar_compiler; "
         "print(sorted(m for m in sys.modules if m.startswith(('raylane.models.', 'raylane.engine.')) "
-        "and m.split('.')[2] in ('decoder', 'loader', 'model_runner', 'llm_engine', 'engine_loop')))"
+        "and m.split('.')[2] in ('decoder', 'loader', 'model_runner', 'llm_engine')))"
     )
-    assert in_fresh_interpreter(probe) == "[]"
+    assert in_fresh_interpreter(probe) == "False\n[]"
 
 
 def test_the_gateway_process_imports_no_model_code():
