@@ -34,6 +34,7 @@ class AddRequest:
     params: SamplingParams | None
     priority: int
     resume: Resumption | None = None
+    tenant: str = ""
 
 
 @dataclass(frozen=True, slots=True)

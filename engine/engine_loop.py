@@ -99,6 +99,7 @@ class EngineLoop:
                 request_id=command.request_id,
                 priority=command.priority,
                 resume=command.resume,
+                tenant=command.tenant,
             )
         except Exception as e:  # a bad prompt or parameter: the caller's ValueError
             return RequestAdded(command.token, e)

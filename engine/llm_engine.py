@@ -101,9 +101,11 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         resume: Resumption | None = None,
+        tenant: str = "",
     ) -> str:
         """`resume`: the output each sample already produced on a replica that died; the request
-        continues after it (engine/request.py `Resumption`)."""
+        continues after it (engine/request.py `Resumption`). `tenant`: whose request it is (the
+        scheduler shares each priority's slots between tenants)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has_request(request_id):
@@ -114,6 +116,8 @@ class LLMEngine:
             self._validate_resume(token_ids, params, resume)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         samples = self._fan_out(request_id, token_ids, params, priority, arrival_time, resume)
+        for sample in samples:
+            sample.tenant = tenant
         self.output_processor.add_request(request_id, prompt, params, samples)
         for sample in samples:
             if not sample.status.finished:  # a resumed sample that had ended is not run again

@@ -51,6 +51,9 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     priority: int = 0  # lower is served first, as in vLLM
+    # Whose request it is (the gateway's key id; "" for none): within a priority, the scheduler
+    # serves first the tenant that has the fewest requests running.
+    tenant: str = ""
     arrival_time: float = field(default_factory=time.monotonic)
     max_total_tokens: int = 0  # prompt + output may not exceed this (the model's context)
     eos_token_ids: frozenset[int] = frozenset()
@@ -96,11 +99,6 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids) :]
-
-    @property
-    def sort_key(self) -> tuple[int, float]:
-        """Order of service: priority first, then arrival (FCFS within a priority)."""
-        return (self.priority, self.arrival_time)
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -2,14 +2,20 @@
 
 Each step spends a token budget: running requests first (a decode costs one token, or 1 + k
 with k speculative draft tokens to verify, an unfinished prefill its next chunk), then waiting
-requests in (priority, arrival) order, their prompts chunked to what is left of the budget.
-When KV blocks run out, the running request that is lowest in priority and newest is
-preempted: its blocks are freed and it is recomputed later (its prefix usually comes back
-from the prefix cache).
+requests in order of service, their prompts chunked to what is left of the budget.
+When KV blocks run out, a running request is preempted: its blocks are freed and it is
+recomputed later (its prefix usually comes back from the prefix cache).
+
+Order of service: priority first (lower first, as in vLLM). Within a priority, requests carry a
+`tenant` (the API key that sent them): the waiting request of the tenant with the fewest requests
+running goes first, FCFS within a tenant. So a key that queued a hundred requests does not make
+another key's one request wait behind them; it waits for the next free slot. Preemption takes the
+reverse order: lowest priority, then the tenant running the most, then the newest.
 """
 
 import heapq
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 from raylane.engine.block_manager import BlockManager
@@ -31,30 +37,53 @@ class SchedulerOutput:
 
 
 class WaitingQueue:
-    """Waiting requests by (priority, arrival); ties broken by insertion order."""
+    """Waiting requests in order of service (the module's docstring); `running` counts each tenant's
+    running requests, which the queue reads when it chooses."""
 
-    def __init__(self):
-        self._heap: list[tuple[tuple[int, float], int, Request]] = []
+    def __init__(self, running: Counter[str]):
+        self._running = running
+        # (priority, tenant) -> heap of (arrival, insertion, request)
+        self._queues: dict[tuple[int, str], list[tuple[float, int, Request]]] = {}
         self._counter = itertools.count()
+        self._len = 0
 
     def push(self, request: Request) -> None:
-        heapq.heappush(self._heap, (request.sort_key, next(self._counter), request))
+        queue = self._queues.setdefault((request.priority, request.tenant), [])
+        heapq.heappush(queue, (request.arrival_time, next(self._counter), request))
+        self._len += 1
+
+    def _first(self) -> tuple[int, str]:
+        """The queue served next: the tenant with the fewest running in the best priority, then the
+        earliest arrival. Linear in the tenants waiting, which the gateway's admission bounds."""
+        return min(self._queues, key=lambda k: (k[0], self._running[k[1]], self._queues[k][0][:2]))
 
     def peek(self) -> Request:
-        return self._heap[0][2]
+        return self._queues[self._first()][0][2]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap)[2]
+        key = self._first()
+        queue = self._queues[key]
+        request = heapq.heappop(queue)[2]
+        if not queue:
+            del self._queues[key]
+        self._len -= 1
+        return request
 
     def remove(self, request: Request) -> None:
-        self._heap = [item for item in self._heap if item[2] is not request]
-        heapq.heapify(self._heap)
+        key = (request.priority, request.tenant)
+        queue = [item for item in self._queues.get(key, ()) if item[2] is not request]
+        self._len -= len(self._queues.get(key, ())) - len(queue)
+        if queue:
+            heapq.heapify(queue)
+            self._queues[key] = queue
+        else:
+            self._queues.pop(key, None)
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return self._len
 
     def __iter__(self):
-        return (item[2] for item in self._heap)
+        return (item[2] for queue in self._queues.values() for item in queue)
 
 
 class Scheduler:
@@ -62,7 +91,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting = WaitingQueue()
+        self.running_per_tenant: Counter[str] = Counter()
+        self.waiting = WaitingQueue(self.running_per_tenant)
         self.running: list[Request] = []
         self.num_preemptions = 0
 
@@ -104,14 +134,27 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.block_manager.allocate_slots(request, num_new):
-            victim = max(self.running, key=lambda r: r.sort_key)
+            victim = max(self.running, key=self._preemption_order)
             self._preempt(victim, out)
             if victim is request:
                 return False
         return True
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preemption_order(self, request: Request) -> tuple[int, int, float]:
+        return (request.priority, self.running_per_tenant[request.tenant], request.arrival_time)
+
+    def _run(self, request: Request) -> None:
+        self.running.append(request)
+        self.running_per_tenant[request.tenant] += 1
+
+    def _stop_running(self, request: Request) -> None:
         self.running.remove(request)
+        self.running_per_tenant[request.tenant] -= 1
+        if not self.running_per_tenant[request.tenant]:
+            del self.running_per_tenant[request.tenant]
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self._stop_running(request)
         if request in out.requests:
             i = out.requests.index(request)
             del out.requests[i], out.num_new_tokens[i]
@@ -137,7 +180,7 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._run(request)
             out.requests.append(request)
             out.num_new_tokens.append(num_new)
             budget -= num_new
@@ -147,7 +190,7 @@ class Scheduler:
         """Remove a request (finished or aborted) wherever it is, and free its blocks at once."""
         request.status = status
         if request in self.running:
-            self.running.remove(request)
+            self._stop_running(request)
         else:
             self.waiting.remove(request)
         self.block_manager.free(request)

@@ -99,18 +99,23 @@ class ModelPool:
         )  # fmt: skip
 
     async def chat(self, request: PoolRequest) -> AsyncIterator[PoolItem]:
-        """The engine schedules by `request.priority` (the caller's tier's; lower is served first).
+        """The engine schedules by `request.priority` (the caller's tier's; lower is served first),
+        then by `request.tenant` (the caller's key: fair shares within a priority).
         The response's last item is a `FinalItem` with the request's `RequestSummary` (tokens, TTFT,
         finish reason) for the request log (deployments/protocol/wire.py). `request.resume`: continue a
         stream that a failed replica began (deployments/gateway/resumption.py)."""
         r = request
-        items = self.chat_serving.chat(r.body, r.params, r.tools, r.request_id, r.priority, r.resume)
+        items = self.chat_serving.chat(
+            r.body, r.params, r.tools, r.request_id, r.priority, r.resume, r.tenant
+        )
         async for item in self._forward(items):
             yield item
 
     async def completions(self, request: PoolRequest) -> AsyncIterator[PoolItem]:
         r = request
-        items = self.completion_serving.completion(r.body, r.params, r.request_id, r.priority, r.resume)
+        items = self.completion_serving.completion(
+            r.body, r.params, r.request_id, r.priority, r.resume, r.tenant
+        )
         async for item in self._forward(items):
             yield item
 
@@ -119,7 +124,7 @@ class ModelPool:
         its events; `request.echo` holds the request's fields the response repeats."""
         r = request
         items = self.responses_serving.create(
-            r.body, r.params, r.tools, r.request_id, r.echo, r.priority, r.resume
+            r.body, r.params, r.tools, r.request_id, r.echo, r.priority, r.resume, r.tenant
         )
         async for item in self._forward(items):
             yield item

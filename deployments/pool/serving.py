@@ -102,10 +102,13 @@ class OpenAIServing:
         param: str,
         priority: int = 0,
         resume: Resumption | None = None,
+        tenant: str = "",
     ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
         """Add the request and wait for its first output, so that a rejected request becomes an
         error before anything is sent. `resume`: the output a failed replica had sent already."""
-        gen = self.llm.generate(prompt_ids, params, request_id=request_id, priority=priority, resume=resume)
+        gen = self.llm.generate(
+            prompt_ids, params, request_id=request_id, priority=priority, resume=resume, tenant=tenant
+        )
         try:
             first = await gen.__anext__()
         except ValueError as e:

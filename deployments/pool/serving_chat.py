@@ -58,6 +58,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id: str,
         priority: int = 0,
         resume: ResumeState | None = None,
+        tenant: str = "",
     ) -> AsyncIterator[PoolItem]:
         """`resume`: continue a stream that a failed replica began (deployments/protocol/wire.py)."""
         try:
@@ -70,7 +71,7 @@ class OpenAIServingChat(OpenAIServing):
             await self._compile(engine_params, grammar_param(req))
             resumed = engine_resumption(resume, params.n)
             first, gen = await self._start(
-                prompt_ids, engine_params, request_id, "messages", priority, resumed
+                prompt_ids, engine_params, request_id, "messages", priority, resumed, tenant
             )
         except OpenAIError as e:
             yield e

@@ -45,6 +45,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id: str,
         priority: int = 0,
         resume: ResumeState | None = None,
+        tenant: str = "",
     ) -> AsyncIterator[PoolItem]:
         """`resume`: continue a stream that a failed replica began (deployments/protocol/wire.py); a prompt
         whose choices had all ended is not run again."""
@@ -63,7 +64,9 @@ class OpenAIServingCompletion(OpenAIServing):
             for k in running:
                 resumed = engine_resumption(resume, n, k * n)
                 started.append(
-                    await self._start(prompts[k], params, f"{request_id}-{k}", "prompt", priority, resumed)
+                    await self._start(
+                        prompts[k], params, f"{request_id}-{k}", "prompt", priority, resumed, tenant
+                    )
                 )
         except OpenAIError as e:
             for _, gen in started:

@@ -35,6 +35,7 @@ class OpenAIServingResponses:
         echo: dict[str, Any],
         priority: int = 0,
         resume: ResumeState | None = None,
+        tenant: str = "",
     ) -> AsyncIterator[PoolItem]:
         """`resume`: continue a stream that a failed replica began (deployments/protocol/wire.py); `echo`
         (with the response's id and created_at) is the same for every replica that serves it."""
@@ -47,7 +48,7 @@ class OpenAIServingResponses:
             await chat._compile(engine_params, grammar_param(req))
             resumed = engine_resumption(resume, params.n)
             first, gen = await chat._start(
-                prompt_ids, engine_params, request_id, "messages", priority, resumed
+                prompt_ids, engine_params, request_id, "messages", priority, resumed, tenant
             )
         except OpenAIError as e:
             yield responses_error(e)

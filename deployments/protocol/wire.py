@@ -115,8 +115,9 @@ class PoolRequest:
     """One request as the gateway hands it to a pool, whole: the pool method that serves it
     (`endpoint`), the OpenAI request (for `responses`, the chat request it maps to), its sampling
     parameters, the tool plan (chat, responses), the fields a Responses object repeats (`echo`), its
-    id; then what the gateway decides per call: the tier's `priority` (the engine schedules by it)
-    and, when a stream goes on after its replica died, the stream's `resume` state."""
+    id; then what the gateway decides per call: the tier's `priority` and the caller's key id as
+    `tenant` (the engine schedules by both) and, when a stream goes on after its replica died, the
+    stream's `resume` state."""
 
     endpoint: Literal["chat", "completions", "responses"]
     body: ChatCompletionRequest | CompletionRequest
@@ -125,6 +126,7 @@ class PoolRequest:
     tools: ToolPlan | None = None
     echo: dict | None = None
     priority: int = 0
+    tenant: str = ""
     resume: ResumeState | None = None
 
     def call(self, handle: Any, resume: ResumeState | None = None) -> Any:

@@ -81,13 +81,17 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def priorities_seen(user: str) -> list[int]:
+def seen_by_pool(method: str, user: str) -> list:
     from ray import serve
 
     from raylane.deployments.app import pool_deployment_name
 
     handle = serve.get_deployment_handle(pool_deployment_name("chat"), app_name=APP)
-    return handle.priorities.remote(user).result(timeout_s=30)
+    return getattr(handle, method).remote(user).result(timeout_s=30)
+
+
+def priorities_seen(user: str) -> list[int]:
+    return seen_by_pool("priorities", user)
 
 
 ENDPOINTS = [
@@ -270,6 +274,11 @@ def test_a_client_cannot_raise_its_own_tier(http):
     )
     assert r.status_code == 200 and r.headers["x-raylane-tier"] == "premium"
     assert priorities_seen(f"premium-{RUN}") == [PRIORITY["premium"]]
+    # The engine shares a priority's slots between the keys it was told of: each request is its
+    # key's (an id, never the key), whatever `user` the body names.
+    free, premium = seen_by_pool("tenants", user), seen_by_pool("tenants", f"premium-{RUN}")
+    assert len(set(free)) == 1 and len(free) == 3 and free[0] != premium[0], (free, premium)
+    assert all(t.startswith("key-") and KEYS["free"] not in t for t in free + premium)
 
 
 def ray_log_files() -> list[Path]:

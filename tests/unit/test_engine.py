@@ -207,6 +207,40 @@ def test_priority_zero_request_is_scheduled_before_earlier_priority_one_requests
     assert all(first_output_step["urgent"] < first_output_step[f"low{i}"] for i in range(3))
 
 
+def test_within_a_priority_a_key_with_one_request_waits_for_a_slot_not_for_another_keys_queue(llama):
+    """Two slots, both held by key A, which has queued five more; key B then sends one. B's request
+    runs as soon as a slot frees, not after A's queue (FCFS would run it seventh). A's own requests
+    keep their order."""
+    engine = LLMEngine(EngineConfig(model=llama, num_kv_blocks=64, max_num_seqs=2))
+    for i in range(7):
+        engine.add_request(random_prompt(8, 20 + i), greedy(4 + i), request_id=f"a{i}", tenant="key-a")
+    engine.step()  # a0 and a1 run
+    engine.add_request(random_prompt(8, 40), greedy(4), request_id="b", tenant="key-b")
+    first_output_step: dict[str, int] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for out in engine.step():
+            first_output_step.setdefault(out.request_id, step)
+    waited = sorted(set(first_output_step) - {"a0", "a1"}, key=first_output_step.get)
+    assert waited == ["b", "a2", "a3", "a4", "a5", "a6"], waited
+
+
+def test_kv_pressure_preempts_the_key_running_the_most(llama):
+    """When blocks run out, the request preempted is of the tenant holding the most running requests
+    (the newest of them), not simply the newest request: key A's three running requests yield a block
+    before key B's one, although B's came last."""
+    engine = LLMEngine(EngineConfig(model=llama, num_kv_blocks=9, block_size=16, max_num_seqs=4))
+    for i in range(3):
+        engine.add_request(random_prompt(30, 60 + i), greedy(40), request_id=f"a{i}", tenant="key-a")
+    engine.add_request(random_prompt(30, 70), greedy(40), request_id="b", tenant="key-b")
+    preempted: list[str] = []
+    while engine.has_unfinished_requests() and not preempted:
+        engine.step()
+        preempted = [r.request_id for r in engine.scheduler.waiting if r.num_preemptions]
+    assert preempted and "b" not in preempted, preempted
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_batch_mates(llama):
     llm = LLM(llama, num_kv_blocks=64)
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=12, seed=7, ignore_eos=True)
