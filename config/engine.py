@@ -102,6 +102,17 @@ class EngineConfig(StrictModel):
         "flash_varlen attention backend only; never on CPU).",
     )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
+    enable_lora: bool = Field(
+        False,
+        description="Serve LoRA adapters (PEFT's format) on this engine's base weights, several in one batch "
+        "(vLLM's --enable-lora). CUDA graphs are off with it.",
+    )
+    max_loras: int = Field(
+        4, ge=1, description="Adapters held at once per replica (the least recently used is evicted)."
+    )
+    max_lora_rank: int = Field(
+        16, ge=1, le=256, description="Largest adapter rank served; every adapter slot is this wide."
+    )
     iteration_timeout_s: float = Field(
         60.0,
         gt=0,

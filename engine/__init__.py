@@ -20,6 +20,7 @@ _EXPORTS = {
     "Resumption": "raylane.engine.request",
     "CompletionOutput": "raylane.engine.outputs",
     "Logprob": "raylane.engine.outputs",
+    "LoRARequest": "raylane.engine.lora",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -36,6 +36,7 @@ from raylane.engine.core_messages import (
     RunResult,
 )
 from raylane.engine.errors import EngineDeadError
+from raylane.engine.lora import LoRARequest
 from raylane.engine.output_collector import RequestOutputCollector
 from raylane.engine.outputs import RequestOutput
 from raylane.engine.request import Resumption
@@ -106,13 +107,14 @@ class AsyncLLM:
         on_abort: Callable[[RequestOutput], None] | None = None,
         resume: Resumption | None = None,
         tenant: str = "",
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as tokens arrive; the last one has `finished=True`. Leaving the loop
         early (a client disconnect, a cancelled task) aborts the request and frees its blocks;
         `on_abort` then gets the engine's last output of it (what `abort` returns), which the
         caller would otherwise never see. `resume`: continue after the output another replica had
         produced (`LLMEngine.add_request`). `tenant`: whose request it is (the scheduler shares each
-        priority's slots between tenants)."""
+        priority's slots between tenants). `lora_request`: the adapter to run it with."""
         request_id = request_id or uuid.uuid4().hex
         delta = sampling_params is not None and sampling_params.output_kind == RequestOutputKind.DELTA
         stream = RequestOutputCollector(asyncio.get_running_loop(), delta, self.config.stream_interval)
@@ -120,7 +122,9 @@ class AsyncLLM:
             self._last_event = time.monotonic()
         self._streams[request_id] = stream
         try:
-            await self._call(AddRequest, request_id, prompt, sampling_params, priority, resume, tenant)
+            await self._call(
+                AddRequest, request_id, prompt, sampling_params, priority, resume, tenant, lora_request
+            )
         except BaseException:  # the engine's ValueError for a bad prompt or parameter, or a dead core
             self._streams.pop(request_id, None)
             raise

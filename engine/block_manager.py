@@ -22,6 +22,12 @@ from raylane.engine.request import Request
 NULL_BLOCK = -1  # a block-table entry whose block was released (outside the sliding window)
 
 
+def lora_salt(request: Request) -> bytes | None:
+    """The first block's parent under an adapter: the same tokens under two adapters (or under one and
+    the base model) have different KV, so they never share a block."""
+    return None if request.lora is None else b"lora:%d" % request.lora.lora_int_id
+
+
 def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
     # A cryptographic hash, so one tenant cannot craft a prompt that collides with another's prefix.
     h = hashlib.blake2b(parent or b"", digest_size=16)
@@ -70,7 +76,8 @@ class BlockManager:
         bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
         while (len(hashes) + 1) * bs <= num_tokens:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+            parent = hashes[-1] if hashes else lora_salt(request)
+            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
 
     def get_computed_blocks(self, request: Request) -> list[int]:
         """Leading blocks of the request already in the cache. At least one token is always

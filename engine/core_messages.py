@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from raylane.engine.lora import LoRARequest
 from raylane.engine.outputs import RequestOutput
 from raylane.engine.request import Resumption
 from raylane.engine.sampling_params import SamplingParams
@@ -35,6 +36,7 @@ class AddRequest:
     priority: int
     resume: Resumption | None = None
     tenant: str = ""
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True, slots=True)

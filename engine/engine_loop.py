@@ -100,6 +100,7 @@ class EngineLoop:
                 priority=command.priority,
                 resume=command.resume,
                 tenant=command.tenant,
+                lora_request=command.lora_request,
             )
         except Exception as e:  # a bad prompt or parameter: the caller's ValueError
             return RequestAdded(command.token, e)

@@ -4,6 +4,7 @@ from collections.abc import Sequence
 
 from raylane.config import EngineConfig
 from raylane.engine.llm_engine import LLMEngine
+from raylane.engine.lora import LoRARequest
 from raylane.engine.outputs import RequestOutput
 from raylane.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -37,18 +38,24 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts (strings or token-id lists) to completion; outputs in prompt order."""
+        """Run prompts (strings or token-id lists) to completion; outputs in prompt order.
+        `lora_request`: one adapter for all prompts, or one (or None: the base model) per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params: one per prompt, or a single one for all")
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("lora_request: one per prompt, or a single one for all")
         ids = []
         for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
             p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-            ids.append(self.engine.add_request(prompt, p, priority=priority[i] if priority else 0))
+            priority_i = priority[i] if priority else 0
+            ids.append(self.engine.add_request(prompt, p, priority=priority_i, lora_request=loras[i]))
         return self._run(ids, use_tqdm)
 
     def chat(

@@ -18,6 +18,7 @@ from raylane.config import EngineConfig
 from raylane.engine.block_manager import BlockManager
 from raylane.engine.errors import EngineDeadError
 from raylane.engine.executor import make_executor
+from raylane.engine.lora import LoRARequest, LoRASlots
 from raylane.engine.model_runner import ModelInput
 from raylane.engine.output_processor import OutputProcessor
 from raylane.engine.outputs import RequestOutput
@@ -28,6 +29,7 @@ from raylane.engine.scheduler import Scheduler, SchedulerOutput
 from raylane.engine.spec_decode import RejectionSampler, SpecDecodeStats, make_proposer
 from raylane.engine.tokenizer import eos_token_ids, load_tokenizer
 from raylane.models.decoder import sliding_window_of
+from raylane.parallel.lora import check_adapter
 
 
 class LLMEngine:
@@ -62,7 +64,12 @@ class LLMEngine:
             config.enable_prefix_caching,
             sliding_window=sliding_window_of(self.hf_config),
         )
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            LoRASlots(config.max_loras) if config.enable_lora else None,
+        )
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.proposer = make_proposer(config, self.block_manager, self.vocab_size, self.executor.draft_device)
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
@@ -70,6 +77,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._structured = None
         self._ids = itertools.count()
+        self._lora_paths: dict[int, str] = {}  # adapter id -> its directory, once validated
 
     # -- requests in ---------------------------------------------------------------------------
 
@@ -102,27 +110,43 @@ class LLMEngine:
         arrival_time: float | None = None,
         resume: Resumption | None = None,
         tenant: str = "",
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """`resume`: the output each sample already produced on a replica that died; the request
         continues after it (engine/request.py `Resumption`). `tenant`: whose request it is (the
-        scheduler shares each priority's slots between tenants)."""
+        scheduler shares each priority's slots between tenants). `lora_request`: the adapter to run
+        it with (an engine with `enable_lora`)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id: {request_id!r} is already running")
         token_ids = self.tokenize(prompt)
         self._validate_prompt(token_ids, params)
+        if lora_request is not None:
+            self._validate_lora(lora_request)
         if resume is not None:
             self._validate_resume(token_ids, params, resume)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         samples = self._fan_out(request_id, token_ids, params, priority, arrival_time, resume)
         for sample in samples:
-            sample.tenant = tenant
+            sample.tenant, sample.lora = tenant, lora_request
         self.output_processor.add_request(request_id, prompt, params, samples)
         for sample in samples:
             if not sample.status.finished:  # a resumed sample that had ended is not run again
                 self.scheduler.add_request(sample)
         return request_id
+
+    def _validate_lora(self, lora: LoRARequest) -> None:
+        """What the runner would fail on when it loads the adapter, found before the request is
+        accepted (a load that failed inside a step would end the engine for everyone)."""
+        if not self.config.enable_lora:
+            raise ValueError("lora_request: this engine serves no adapters (start it with enable_lora)")
+        known = self._lora_paths.get(lora.lora_int_id)
+        if known is None:
+            check_adapter(lora.lora_path, self.hf_config, self.config.max_lora_rank)
+            self._lora_paths[lora.lora_int_id] = lora.lora_path
+        elif known != lora.lora_path:
+            raise ValueError(f"lora_request: lora_int_id {lora.lora_int_id} is already {known!r}")
 
     def _validate_resume(self, token_ids: list[int], params: SamplingParams, resume: Resumption) -> None:
         if len(resume.token_ids) != params.n:
@@ -268,6 +292,11 @@ class LLMEngine:
                 sampling.append((len(batch.sample_indices), request))
                 last = len(batch.token_ids) - 1
                 batch.sample_indices.extend(range(last - len(drafts), last + 1))
+        slots = self.scheduler.lora_slots
+        if slots is not None:
+            batch.lora_loads = slots.take_loads()
+            if any(r.lora is not None for r in scheduled.requests):
+                batch.lora_slots = [slots.slot_of(r.lora) for r in scheduled.requests]
         return batch, sampling
 
     def _execute(self, batch: ModelInput) -> torch.Tensor:

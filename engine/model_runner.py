@@ -9,7 +9,7 @@ agreed on (`available_kv_blocks`, then `allocate_kv_cache`).
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,7 @@ from raylane.models import load_model
 from raylane.models.attention import build_attention_metadata
 from raylane.models.gguf import checkpoint_dir
 from raylane.models.paged_kernel import resolve_attention
+from raylane.parallel.lora import LoRABatch, attach_lora, load_adapter
 from raylane.parallel.onednn import packed_bytes
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ class ModelInput:
     context_lens: list[int]  # per request: tokens in its KV after this step
     query_lens: list[int]  # per request: new tokens this step
     sample_indices: list[int]  # flattened token rows whose logits are wanted
+    lora_slots: list[int] | None = None  # per request: its adapter's slot, -1 the base model; None: all base
+    lora_loads: list[tuple[int, str]] = field(default_factory=list)  # (slot, adapter path) to load first
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -70,6 +73,10 @@ class ModelRunner:
             quantization=config.quantization,
             cpu_weight_prepack=config.cpu_weight_prepack,
         )
+        self.lora: LoRABatch | None = None
+        if config.enable_lora:
+            slots, rank = config.max_loras, config.max_lora_rank
+            self.lora = attach_lora(self.model, slots, rank, self.dtype, self.device)
         self.num_blocks = 0  # until allocate_kv_cache
         head_dim = self.model.kv_cache_shape_per_block(1)[-1]
         self.attention_backend, self.block_size = resolve_attention(
@@ -212,7 +219,8 @@ class ModelRunner:
     def uses_cuda_graphs(self) -> bool:
         """Graphs replay pure-decode steps on CUDA with the flash_varlen backend; never on CPU."""
         cuda_flash = self.device.type == "cuda" and self.attention_backend == "flash_varlen"
-        return cuda_flash and not self.config.enforce_eager
+        # A step's adapter runs are Python the graphs cannot replay: with adapters, decode eagerly.
+        return cuda_flash and not self.config.enforce_eager and not self.config.enable_lora
 
     @torch.inference_mode()
     def capture_decode_graphs(self, capture: bool = True, sizes: list[int] | None = None) -> DecodeGraphs:
@@ -244,6 +252,10 @@ class ModelRunner:
         With `compute_logits` False (ranks whose TP group's logits nobody reads) it stops after
         the last layer and returns None.
         """
+        if self.lora is not None:
+            for slot, path in batch.lora_loads:
+                load_adapter(self.model, slot, path, self.config.max_lora_rank)
+            self.lora.set(batch.lora_slots or [-1] * len(batch.query_lens), batch.query_lens)
         size = self.graphs.size_for(batch) if self.graphs is not None else None
         if size is not None:
             hidden = self.graphs.run(batch, size)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from raylane.engine.lora import LoRARequest
 from raylane.engine.sampling_params import SamplingParams
 
 
@@ -54,6 +55,7 @@ class Request:
     # Whose request it is (the gateway's key id; "" for none): within a priority, the scheduler
     # serves first the tenant that has the fewest requests running.
     tenant: str = ""
+    lora: LoRARequest | None = None  # the adapter it runs with (engine/lora.py); None: the base model
     arrival_time: float = field(default_factory=time.monotonic)
     max_total_tokens: int = 0  # prompt + output may not exceed this (the model's context)
     eos_token_ids: frozenset[int] = frozenset()

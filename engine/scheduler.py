@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from raylane.engine.block_manager import BlockManager
+from raylane.engine.lora import LoRASlots
 from raylane.engine.request import Request, RequestStatus
 
 
@@ -87,8 +88,15 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        lora_slots: LoRASlots | None = None,
+    ):
         self.block_manager = block_manager
+        self.lora_slots = lora_slots  # None: the engine serves no adapters
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.running_per_tenant: Counter[str] = Counter()
@@ -144,10 +152,14 @@ class Scheduler:
         return (request.priority, self.running_per_tenant[request.tenant], request.arrival_time)
 
     def _run(self, request: Request) -> None:
+        if self.lora_slots is not None:
+            self.lora_slots.pin(request.lora)
         self.running.append(request)
         self.running_per_tenant[request.tenant] += 1
 
     def _stop_running(self, request: Request) -> None:
+        if self.lora_slots is not None:
+            self.lora_slots.unpin(request.lora)
         self.running.remove(request)
         self.running_per_tenant[request.tenant] -= 1
         if not self.running_per_tenant[request.tenant]:
@@ -170,6 +182,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if self.lora_slots is not None and not self.lora_slots.can_pin(request.lora):
+                break  # every adapter slot is in use by running requests: it waits for one
             computed = self.block_manager.get_computed_blocks(request)
             num_cached = len(computed) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_cached, budget)

@@ -69,6 +69,7 @@ class LinearBase(nn.Module):
         self.tp_rank = get_tp_rank() if tp_rank is None else tp_rank
         self.tp_size = get_tp_size() if tp_size is None else tp_size
         self.input_size, self.output_size = input_size, output_size
+        self.lora = None  # its LoRA adapters' slots, when the engine serves adapters (parallel/lora.py)
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -139,6 +140,8 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.bias)
+        if self.lora is not None:
+            self.lora.add_to(y, x)
         return tensor_model_parallel_all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -259,6 +262,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)
+        if self.lora is not None:  # this rank's part of the update: the all-reduce sums the parts
+            self.lora.add_to(y, x)
         if self.reduce_results:
             y = tensor_model_parallel_all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -447,3 +447,24 @@ def test_a_draft_model_shares_rank_0s_gpu_with_the_replica_that_runs_it(checkpoi
     assert result["rank_1s_gpu"].startswith("InsufficientResourcesError: speculative_config: ")
     assert result["tokens"] == result["plain"]
     assert result["accepted"] == result["drafted"] > 0  # the draft is the target itself
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama-kv1"])
+def test_lora_adapters_under_tensor_parallelism_give_peft_greedy_output(
+    ray_cluster, checkpoint, kv1_llama, family, tmp_path
+):
+    """Two ranks, each holding its shard of every adapter (A's input columns on o/down, B's output
+    rows on q/k/v/gate/up, a KV head's B on both ranks that replicate it): a batch mixing the base
+    model and two adapters gives each prompt PEFT's greedy answer."""
+    from raylane.engine import LoRARequest
+    from tests.unit.test_lora import ADAPTERS, PROMPTS, greedy, make_adapter, peft_greedy
+
+    path = str(kv1_llama) if family == "llama-kv1" else checkpoint(family)
+    loras = [None] + [
+        LoRARequest(name, i + 1, str(make_adapter(path, tmp_path / name, i, *ADAPTERS[name])))
+        for i, name in enumerate(["attn-r4", "all-r8"])
+    ]
+    with engine_of(path, tensor_parallel_size=2, enable_lora=True) as llm:
+        outs = llm.generate(PROMPTS * len(loras), greedy(), lora_request=[x for x in loras for _ in PROMPTS])
+    got = [list(out.outputs[0].token_ids) for out in outs]
+    assert got == [tokens for lora in loras for tokens in peft_greedy(path, lora)]
