@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -185,11 +186,27 @@ class PoolConfig(StrictModel):
         "default, 10 s, was most of a replica's recovery); the check reads the engine's state, no step.",
     )
     health_check_timeout_s: float = Field(30.0, gt=0, description="A health check slower than this fails.")
+    adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters served on this pool's base weights: served name -> PEFT adapter directory "
+        "(adapter_config.json + adapter_model.safetensors) on every node. Clients send the name, or "
+        "`<pool>:<name>`, as `model`; requests for several adapters and the base model share batches. "
+        "Sets engine.enable_lora; engine.max_loras adapters are held at once per replica.",
+    )
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapter_names(cls, adapters: dict[str, str]) -> dict[str, str]:
+        for name in adapters:
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
+                raise ValueError(f"adapter name {name!r}: letters, digits, '.', '_' and '-' (at most 64)")
+        return {name: _absolute(path) for name, path in adapters.items()}
 
     @model_validator(mode="before")
     @classmethod
     def _engine_model(cls, data: Any) -> Any:
-        """The engine's `model` is the pool's; writing it twice (differently) is an error."""
+        """The engine's `model` is the pool's; writing it twice (differently) is an error. A pool
+        with adapters runs an engine with `enable_lora`."""
         if not isinstance(data, dict) or not isinstance(data.get("model"), str):
             return data
         engine = data.get("engine") or {}
@@ -199,7 +216,10 @@ class PoolConfig(StrictModel):
             return data  # let field validation name the wrong type
         if engine.get("model", data["model"]) not in (data["model"], _absolute(data["model"])):
             raise ValueError("engine.model: set the pool's `model` instead")
-        return {**data, "engine": {**engine, "model": _absolute(data["model"])}}
+        engine = {**engine, "model": _absolute(data["model"])}
+        if data.get("adapters"):
+            engine["enable_lora"] = True
+        return {**data, "engine": engine}
 
     @field_validator("model")
     @classmethod

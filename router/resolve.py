@@ -1,4 +1,6 @@
-"""Which pools a request's `model` means: a pool by name or served model id, or `auto` -> the classifier."""
+"""Which pools a request's `model` means: a pool by name or served model id, `auto` -> the classifier,
+or a LoRA adapter of a pool (its name, or `<pool>:<name>`), which only that pool serves: no fallback
+to a pool without it, and `auto` never picks one (an adapter is a team's, not the router's choice)."""
 
 import logging
 from collections.abc import Callable, Sequence
@@ -21,6 +23,7 @@ class PoolSpec:
     max_context_len: int | None = None  # prompt tokens it accepts; None = no limit known
     max_in_flight: int | None = None  # requests the gateway sends at once; None = RouterConfig default
     max_waiting: int | None = None  # requests that may queue for it; None = RouterConfig default
+    adapters: tuple[str, ...] = ()  # names of the LoRA adapters it serves
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +32,7 @@ class Resolution:
     route: str
     pools: tuple[str, ...]  # candidates, in order: the route's pool, then its fallbacks
     decision: RouteDecision | None = None  # set when the classifier chose
+    adapter: str | None = None  # the LoRA adapter the pools run it with
 
 
 class ModelResolver:
@@ -45,6 +49,15 @@ class ModelResolver:
             self._by_name[pool.name] = pool.name
             if pool.model_id:
                 self._by_name.setdefault(pool.model_id, pool.name)
+        # model -> (pools serving the adapter, the adapter): `<pool>:<name>` that pool only; a bare
+        # name every pool that serves it (in config order), unless it names a pool or model
+        self._adapters: dict[str, tuple[tuple[str, ...], str]] = {}
+        for pool in pools:
+            for adapter in pool.adapters:
+                self._adapters[f"{pool.name}:{adapter}"] = ((pool.name,), adapter)
+                if adapter not in self._by_name:
+                    serving, _ = self._adapters.get(adapter, ((), adapter))
+                    self._adapters[adapter] = ((*serving, pool.name), adapter)
         self._route_of_pool = {}
         for route in config.routes:
             self._route_of_pool.setdefault(route.pool, route)
@@ -55,6 +68,9 @@ class ModelResolver:
             route = self._config.route(decision.route)
             return Resolution(model, route.name, (route.pool, *route.fallbacks), decision)
         pool = self._by_name.get(model)
+        if pool is None and model in self._adapters:
+            serving, adapter = self._adapters[model]
+            return Resolution(model, DIRECT_ROUTE, serving, adapter=adapter)
         if pool is None:
             raise UnknownModelError(self._unknown_message(model), param="model")
         route = self._route_of_pool.get(pool)
@@ -75,7 +91,7 @@ class ModelResolver:
     def model_names(self) -> list[str]:
         """Every `model` value this router accepts, for /v1/models and error messages."""
         auto = list(AUTO_MODELS) if self._classify is not None else []
-        return auto + list(self._by_name)
+        return auto + list(self._by_name) + list(self._adapters)
 
     def _unknown_message(self, model: str) -> str:
         choices = ", ".join(repr(m) for m in self.model_names())

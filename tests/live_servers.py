@@ -1,9 +1,10 @@
 """Live apps for integration and reliability tests (fixtures registered in tests/conftest.py).
 
-Serve the OpenAI API once per test session: two small pools (the demo Llama as `chat`, the demo
-Qwen3-MoE as `reasoning`, with the `qwen3` reasoning parser) behind the gateway, on a free local
-port. Router tests get a second app on the same Serve (`router_server`, under /router): API keys,
-tiers, routes, tiny pool capacities, and pools whose failures a test can switch on."""
+Serve the OpenAI API once per test session: two small pools (the demo Llama as `chat`, with two
+LoRA adapters PEFT makes for it, the demo Qwen3-MoE as `reasoning`, with the `qwen3` reasoning
+parser) behind the gateway, on a free local port. Router tests get a second app on the same Serve
+(`router_server`, under /router): API keys, tiers, routes, tiny pool capacities, and pools whose
+failures a test can switch on."""
 
 import contextlib
 import os
@@ -38,11 +39,23 @@ class ApiServer:
         return handle.stats.remote().result(timeout_s=30)
 
 
+LORA_ADAPTERS = {
+    "alpha": (4, ["q_proj", "v_proj"]),
+    "beta": (8, ["o_proj", "gate_proj", "up_proj", "down_proj"]),
+}
+
+
 def make_cluster_config(demo_models: dict, port: int):
     from raylane.config import ClusterConfig
+    from tests.unit.test_lora import make_adapter
 
     engine = {"max_num_seqs": 16, "num_kv_blocks": 256, "cpus_per_rank": 0.5, "seed": 0}
     batch_dir = tempfile.mkdtemp(prefix="raylane-batch-")  # this session's batches only
+    llama = str(demo_models["raylane-llama-tiny"])
+    adapters = {
+        name: str(make_adapter(llama, Path(batch_dir) / "lora" / name, seed, rank, 2 * rank, targets, False))
+        for seed, (name, (rank, targets)) in enumerate(LORA_ADAPTERS.items())
+    }
     return ClusterConfig.from_dict(
         {
             "http": {"host": "127.0.0.1", "port": port},
@@ -51,8 +64,9 @@ def make_cluster_config(demo_models: dict, port: int):
             "pools": [
                 {
                     "name": "chat",
-                    "model": str(demo_models["raylane-llama-tiny"]),
+                    "model": llama,
                     "served_model_name": "raylane-llama-tiny",
+                    "adapters": adapters,
                     "engine": engine,
                     "max_n": 4,
                     "grammar_compile_timeout_s": 3.0,  # test_bad_input's costly grammar, well past it

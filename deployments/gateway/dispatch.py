@@ -116,7 +116,9 @@ class Dispatcher:
             )
         plan = self.router.plan(principal, resolution, charge=charge)
         suspects: list[tuple[Slot, PoolFailure]] = []  # failures not yet counted against their pool
-        request = replace(request, priority=plan.priority, tenant=principal.key_id)
+        request = replace(
+            request, priority=plan.priority, tenant=principal.key_id, adapter=resolution.adapter
+        )
         resumer = Resumer(self.config, self.pools, self.health, request, list(resolution.pools))
         try:
             return await self._walk(plan, principal, streaming, request, suspects, resumer)

@@ -609,6 +609,12 @@ class Gateway:
 
     def model_cards(self) -> list[ModelCard]:
         cards = [ModelCard(id=p.model_id, created=self.created) for p in self.config.pools]
+        listed = {p.name for p in self.config.pools} | {c.id for c in cards}
+        for pool in self.config.pools:  # an adapter by its own name, or `<pool>:<name>` where that is taken
+            for name in pool.adapters:
+                model = name if name not in listed else f"{pool.name}:{name}"
+                listed.add(model)
+                cards.append(ModelCard(id=model, created=self.created, parent=pool.model_id))
         if self.config.embeddings.enabled:
             cards.append(ModelCard(id=self.config.embeddings.model_id, created=self.created))
         return cards

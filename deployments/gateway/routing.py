@@ -49,6 +49,7 @@ def pool_specs(config: ClusterConfig) -> list[PoolSpec]:
             max_context_len=p.engine.max_model_len,
             max_in_flight=p.max_in_flight,
             max_waiting=p.max_waiting,
+            adapters=tuple(p.adapters),
         )
         for p in config.pools
     ]

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from raylane.config import EngineConfig, PoolConfig
 from raylane.engine.core_launch import CoreLaunch, launch_core
+from raylane.engine.lora import LoRARequest
 
 if TYPE_CHECKING:
     from raylane.deployments.protocol.tokenization_schemas import DetokenizeRequest, TokenizeRequest
@@ -106,7 +107,7 @@ class ModelPool:
         stream that a failed replica began (deployments/gateway/resumption.py)."""
         r = request
         items = self.chat_serving.chat(
-            r.body, r.params, r.tools, r.request_id, r.priority, r.resume, r.tenant
+            r.body, r.params, r.tools, r.request_id, r.priority, r.resume, r.tenant, self._lora(r)
         )
         async for item in self._forward(items):
             yield item
@@ -114,7 +115,7 @@ class ModelPool:
     async def completions(self, request: PoolRequest) -> AsyncIterator[PoolItem]:
         r = request
         items = self.completion_serving.completion(
-            r.body, r.params, r.request_id, r.priority, r.resume, r.tenant
+            r.body, r.params, r.request_id, r.priority, r.resume, r.tenant, self._lora(r)
         )
         async for item in self._forward(items):
             yield item
@@ -124,10 +125,20 @@ class ModelPool:
         its events; `request.echo` holds the request's fields the response repeats."""
         r = request
         items = self.responses_serving.create(
-            r.body, r.params, r.tools, r.request_id, r.echo, r.priority, r.resume, r.tenant
+            r.body, r.params, r.tools, r.request_id, r.echo, r.priority, r.resume, r.tenant, self._lora(r)
         )
         async for item in self._forward(items):
             yield item
+
+    def _lora(self, request: PoolRequest) -> LoRARequest | None:
+        """The engine's request for the adapter the client named; ids follow the names' order, so
+        every replica of the pool gives an adapter the same id."""
+        if request.adapter is None:
+            return None
+        names = sorted(self.pool.adapters)
+        return LoRARequest(
+            request.adapter, names.index(request.adapter) + 1, self.pool.adapters[request.adapter]
+        )
 
     async def tokenize(self, request: TokenizeRequest) -> str:
         """vLLM's /tokenize with this pool's tokenizer and chat template: the response's JSON; a

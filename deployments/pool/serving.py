@@ -16,7 +16,7 @@ from raylane.bounded_worker import WorkerBusy
 from raylane.deployments.protocol.errors import OpenAIError, from_engine_value_error, invalid, unavailable
 from raylane.deployments.protocol.openai_schemas import PromptTokensDetails, Usage
 from raylane.deployments.protocol.wire import FinalItem, RequestSummary, ResumeState, sse_error
-from raylane.engine import AsyncLLM, EngineDeadError, RequestOutput, Resumption, SamplingParams
+from raylane.engine import AsyncLLM, EngineDeadError, LoRARequest, RequestOutput, Resumption, SamplingParams
 from raylane.engine.grammar_compiler import GrammarCompileService, GrammarTooComplex
 from raylane.engine.output_processor import resumed_text
 
@@ -103,11 +103,18 @@ class OpenAIServing:
         priority: int = 0,
         resume: Resumption | None = None,
         tenant: str = "",
+        lora_request: LoRARequest | None = None,
     ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
         """Add the request and wait for its first output, so that a rejected request becomes an
         error before anything is sent. `resume`: the output a failed replica had sent already."""
         gen = self.llm.generate(
-            prompt_ids, params, request_id=request_id, priority=priority, resume=resume, tenant=tenant
+            prompt_ids,
+            params,
+            request_id=request_id,
+            priority=priority,
+            resume=resume,
+            tenant=tenant,
+            lora_request=lora_request,
         )
         try:
             first = await gen.__anext__()
@@ -128,6 +135,11 @@ def engine_resumption(resume: ResumeState | None, n: int, first_index: int = 0) 
         token_ids=tuple(tuple(resume.token_ids.get(i, ())) for i in indexes),
         finish_reasons=tuple(resume.finish_reasons.get(i) for i in indexes),
     )
+
+
+def served_model(model_id: str, lora_request: LoRARequest | None) -> str:
+    """The `model` a response names: the adapter's served name when one ran (as vLLM answers)."""
+    return model_id if lora_request is None else lora_request.lora_name
 
 
 def final_item(text: str, streams: Iterable[AsyncIterator[RequestOutput]]) -> FinalItem:

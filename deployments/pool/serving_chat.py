@@ -16,6 +16,7 @@ from raylane.deployments.pool.serving import (
     engine_resumption,
     final_item,
     last,
+    served_model,
     sse,
     token_text,
     usage,
@@ -42,6 +43,7 @@ from raylane.deployments.protocol.sampling import ToolPlan, grammar_param
 from raylane.deployments.protocol.tool_calls import ContentDelta, ToolCallStreamParser, parse_tool_calls
 from raylane.deployments.protocol.wire import DONE, PoolItem, ResumeState, StreamItem
 from raylane.engine import EngineDeadError, RequestOutput, RequestOutputKind, SamplingParams
+from raylane.engine.lora import LoRARequest
 from raylane.engine.outputs import CompletionOutput
 
 
@@ -59,6 +61,7 @@ class OpenAIServingChat(OpenAIServing):
         priority: int = 0,
         resume: ResumeState | None = None,
         tenant: str = "",
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[PoolItem]:
         """`resume`: continue a stream that a failed replica began (deployments/protocol/wire.py)."""
         try:
@@ -71,24 +74,25 @@ class OpenAIServingChat(OpenAIServing):
             await self._compile(engine_params, grammar_param(req))
             resumed = engine_resumption(resume, params.n)
             first, gen = await self._start(
-                prompt_ids, engine_params, request_id, "messages", priority, resumed, tenant
+                prompt_ids, engine_params, request_id, "messages", priority, resumed, tenant, lora_request
             )
         except OpenAIError as e:
             yield e
             return
         response_id = f"chatcmpl-{request_id}"
         created = resume.created if resume is not None else int(time.time())
+        model = served_model(self.model_id, lora_request)
         async with aclosing(gen):
             try:
                 if not req.stream:
                     final = await last(first, gen)
-                    body = self._chat_response(final, params, plan, response_id, created).to_json()
+                    body = self._chat_response(final, params, plan, response_id, created, model).to_json()
                     yield final_item(body, [gen])
                     return
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 shown = self.resumed_texts(prompt_ids, engine_params, resume, range(params.n))
                 chunks = self._chat_chunks(
-                    first, gen, params, plan, response_id, created, include_usage, resume, shown
+                    first, gen, params, plan, response_id, created, model, include_usage, resume, shown
                 )
                 async for chunk in chunks:
                     yield chunk
@@ -111,7 +115,13 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     def _chat_response(
-        self, final: RequestOutput, params: SamplingParams, plan: ToolPlan, response_id: str, created: int
+        self,
+        final: RequestOutput,
+        params: SamplingParams,
+        plan: ToolPlan,
+        response_id: str,
+        created: int,
+        model: str,
     ) -> ChatCompletion:
         choices = []
         for comp in final.outputs:
@@ -138,7 +148,7 @@ class OpenAIServingChat(OpenAIServing):
         body = ChatCompletion(
             id=response_id,
             created=created,
-            model=self.model_id,
+            model=model,
             choices=choices,
             usage=usage(len(final.prompt_token_ids), [len(c.token_ids) for c in final.outputs], final),
         )
@@ -164,6 +174,7 @@ class OpenAIServingChat(OpenAIServing):
         plan: ToolPlan,
         response_id: str,
         created: int,
+        model: str,
         include_usage: bool,
         resume: ResumeState | None = None,
         shown: dict[int, str] | None = None,
@@ -175,7 +186,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def chunk(index: int, delta: ChatDelta, logprobs=None, finish_reason=None) -> str:
             choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
-            body = ChatCompletionChunk(id=response_id, created=created, model=self.model_id, choices=[choice])
+            body = ChatCompletionChunk(id=response_id, created=created, model=model, choices=[choice])
             if include_usage:
                 body.usage = None
             return sse(body)
@@ -226,7 +237,7 @@ class OpenAIServingChat(OpenAIServing):
             body = ChatCompletionChunk(
                 id=response_id,
                 created=created,
-                model=self.model_id,
+                model=model,
                 choices=[],
                 usage=usage(len(first.prompt_token_ids), num_tokens, first),
             )

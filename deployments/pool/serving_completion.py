@@ -16,6 +16,7 @@ from raylane.deployments.pool.serving import (
     engine_resumption,
     final_item,
     last,
+    served_model,
     sse,
     token_text,
     usage,
@@ -32,6 +33,7 @@ from raylane.deployments.protocol.openai_schemas import (
 from raylane.deployments.protocol.sampling import grammar_param
 from raylane.deployments.protocol.wire import DONE, PoolItem, ResumeState, StreamItem
 from raylane.engine import EngineDeadError, RequestOutput, RequestOutputKind, SamplingParams
+from raylane.engine.lora import LoRARequest
 from raylane.engine.outputs import CompletionOutput
 
 Started = list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]  # (first output, the rest) per prompt
@@ -46,6 +48,7 @@ class OpenAIServingCompletion(OpenAIServing):
         priority: int = 0,
         resume: ResumeState | None = None,
         tenant: str = "",
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[PoolItem]:
         """`resume`: continue a stream that a failed replica began (deployments/protocol/wire.py); a prompt
         whose choices had all ended is not run again."""
@@ -65,7 +68,14 @@ class OpenAIServingCompletion(OpenAIServing):
                 resumed = engine_resumption(resume, n, k * n)
                 started.append(
                     await self._start(
-                        prompts[k], params, f"{request_id}-{k}", "prompt", priority, resumed, tenant
+                        prompts[k],
+                        params,
+                        f"{request_id}-{k}",
+                        "prompt",
+                        priority,
+                        resumed,
+                        tenant,
+                        lora_request,
                     )
                 )
         except OpenAIError as e:
@@ -75,13 +85,14 @@ class OpenAIServingCompletion(OpenAIServing):
             return
         response_id = f"cmpl-{request_id}"
         created = resume.created if resume is not None else int(time.time())
+        model = served_model(self.model_id, lora_request)
         echoes = [self._prompt_text(p) if req.echo else "" for p in req.prompts()]
         streams = [gen for _, gen in started]
         try:
             if not req.stream:
                 finals = await asyncio.gather(*(last(first, gen) for first, gen in started))
-                body = self._completion_response(finals, echoes, params, response_id, created).to_json()
-                yield final_item(body, streams)
+                body = self._completion_response(finals, echoes, params, response_id, created, model)
+                yield final_item(body.to_json(), streams)
                 return
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             shown = {}
@@ -89,7 +100,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 shown |= self.resumed_texts(prompts[k], params, resume, range(k * n, (k + 1) * n))
             resumed = Resumed(resume, shown, running, sum(len(ids) for ids in prompts))
             async for chunk in self._completion_chunks(
-                started, echoes, params, response_id, created, include_usage, resumed
+                started, echoes, params, response_id, created, model, include_usage, resumed
             ):
                 yield chunk
         except EngineDeadError as e:
@@ -119,6 +130,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params: SamplingParams,
         response_id: str,
         created: int,
+        model: str,
     ) -> Completion:
         choices, prompt_tokens, completion_tokens = [], 0, []
         for k, final in enumerate(finals):
@@ -137,9 +149,7 @@ class OpenAIServingCompletion(OpenAIServing):
         body_usage.prompt_tokens_details = PromptTokensDetails(
             cached_tokens=sum(f.num_cached_tokens for f in finals)
         )
-        return Completion(
-            id=response_id, created=created, model=self.model_id, choices=choices, usage=body_usage
-        )
+        return Completion(id=response_id, created=created, model=model, choices=choices, usage=body_usage)
 
     async def _completion_chunks(
         self,
@@ -148,6 +158,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params: SamplingParams,
         response_id: str,
         created: int,
+        model: str,
         include_usage: bool,
         resumed: Resumed | None = None,
     ) -> AsyncIterator[PoolItem]:
@@ -157,7 +168,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
         def chunk(index: int, text: str, logprobs=None, finish_reason=None) -> str:
             choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
-            body = Completion(id=response_id, created=created, model=self.model_id, choices=[choice])
+            body = Completion(id=response_id, created=created, model=model, choices=[choice])
             if include_usage:
                 body.usage = None
             return sse(body)
@@ -204,7 +215,7 @@ class OpenAIServingCompletion(OpenAIServing):
             body = Completion(
                 id=response_id,
                 created=created,
-                model=self.model_id,
+                model=model,
                 choices=[],
                 usage=usage(prompt_tokens, num_tokens, started[0][0]),
             )

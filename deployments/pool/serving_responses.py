@@ -12,7 +12,14 @@ from contextlib import aclosing
 from typing import Any
 
 from raylane.deployments.pool.response_builder import ResponseBuilder
-from raylane.deployments.pool.serving import chain, engine_failure, engine_resumption, final_item, last
+from raylane.deployments.pool.serving import (
+    chain,
+    engine_failure,
+    engine_resumption,
+    final_item,
+    last,
+    served_model,
+)
 from raylane.deployments.pool.serving_chat import OpenAIServingChat
 from raylane.deployments.protocol.errors import OpenAIError
 from raylane.deployments.protocol.openai_schemas import ChatCompletionRequest
@@ -20,6 +27,7 @@ from raylane.deployments.protocol.responses_request import responses_error
 from raylane.deployments.protocol.sampling import ToolPlan, grammar_param
 from raylane.deployments.protocol.wire import PoolItem, ResumeState, StreamItem
 from raylane.engine import EngineDeadError, RequestOutput, RequestOutputKind, SamplingParams
+from raylane.engine.lora import LoRARequest
 
 
 class OpenAIServingResponses:
@@ -36,6 +44,7 @@ class OpenAIServingResponses:
         priority: int = 0,
         resume: ResumeState | None = None,
         tenant: str = "",
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[PoolItem]:
         """`resume`: continue a stream that a failed replica began (deployments/protocol/wire.py); `echo`
         (with the response's id and created_at) is the same for every replica that serves it."""
@@ -48,12 +57,13 @@ class OpenAIServingResponses:
             await chat._compile(engine_params, grammar_param(req))
             resumed = engine_resumption(resume, params.n)
             first, gen = await chat._start(
-                prompt_ids, engine_params, request_id, "messages", priority, resumed, tenant
+                prompt_ids, engine_params, request_id, "messages", priority, resumed, tenant, lora_request
             )
         except OpenAIError as e:
             yield responses_error(e)
             return
-        builder = ResponseBuilder(echo, chat.model_id, plan.parse, self.reasoning_parser, chat.tokenizer)
+        model = served_model(chat.model_id, lora_request)
+        builder = ResponseBuilder(echo, model, plan.parse, self.reasoning_parser, chat.tokenizer)
         # A resumed request's cache hits may cover its earlier output too; only the prompt's count.
         prompt_tokens = len(first.prompt_token_ids)
         cached = min(first.num_cached_tokens, prompt_tokens)

@@ -494,6 +494,7 @@ class ModelCard(_Response):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "raylane"
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
 
 
 class ModelList(_Response):

@@ -116,8 +116,8 @@ class PoolRequest:
     (`endpoint`), the OpenAI request (for `responses`, the chat request it maps to), its sampling
     parameters, the tool plan (chat, responses), the fields a Responses object repeats (`echo`), its
     id; then what the gateway decides per call: the tier's `priority` and the caller's key id as
-    `tenant` (the engine schedules by both) and, when a stream goes on after its replica died, the
-    stream's `resume` state."""
+    `tenant` (the engine schedules by both), the LoRA `adapter` the client named (by its served
+    name) and, when a stream goes on after its replica died, the stream's `resume` state."""
 
     endpoint: Literal["chat", "completions", "responses"]
     body: ChatCompletionRequest | CompletionRequest
@@ -127,6 +127,7 @@ class PoolRequest:
     echo: dict | None = None
     priority: int = 0
     tenant: str = ""
+    adapter: str | None = None
     resume: ResumeState | None = None
 
     def call(self, handle: Any, resume: ResumeState | None = None) -> Any:

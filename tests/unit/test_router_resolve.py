@@ -63,3 +63,22 @@ def test_unknown_model_is_a_404_naming_it_and_the_choices():
     assert error.status == 404 and error.param == "model"
     assert error.to_openai()["error"]["code"] == "model_not_found"
     assert "'gpt-4o'" in error.message and "'auto'" in error.message and "'coding'" in error.message
+
+
+def test_an_adapter_goes_only_to_the_pools_that_serve_it_and_never_through_auto():
+    """An adapter by its name goes to every pool serving it (config order), by `<pool>:<name>` to
+    that pool only, never to a fallback without it; a name a pool already uses stays the pool's."""
+    pools = [
+        PoolSpec("coding", "coder", adapters=("team-a", "shared", "chat")),
+        PoolSpec("chat", "chatter", adapters=("shared",)),
+    ]
+    r = ModelResolver(RouterConfig(), pools, lambda m: RouteDecision("coding", "coding", 1.0, "semantic"))
+    team_a = r.resolve("team-a", [])
+    assert (team_a.pools, team_a.adapter) == (("coding",), "team-a")
+    assert r.resolve("shared", []).pools == ("coding", "chat")
+    assert r.resolve("chat:shared", []).pools == ("chat",)
+    assert r.resolve("chat", []).adapter is None  # the pool, not coding's adapter named "chat"
+    assert r.resolve("coding:chat", []).adapter == "chat"
+    assert r.resolve("auto", []).adapter is None
+    with pytest.raises(UnknownModelError, match="'coding:team-a'"):
+        r.resolve("chat:team-a", [])
