@@ -113,6 +113,19 @@ class ReplicaRoutingConfig(StrictModel):
     stats_period_s: float = Field(
         2.0, gt=0, description="How often Serve asks each replica for its KV usage (routing stats)."
     )
+    adapter_weight: float = Field(
+        1.0,
+        ge=0,
+        description="For a request naming a LoRA adapter: the score a replica gains for holding it already "
+        "(its routing stats, or this gateway sent it the adapter before).",
+    )
+    adapter_max_imbalance: int = Field(
+        2,
+        ge=0,
+        description="A replica with this many more requests in flight than the least loaded one is not "
+        "preferred for holding the adapter: a hot adapter spreads to another replica, which loads it (a "
+        "load takes milliseconds; a longer queue costs every request in it), rather than pinning to one.",
+    )
 
 
 class PoolConfig(StrictModel):

@@ -124,6 +124,8 @@ def request_router_config(pool: PoolConfig) -> RequestRouterConfig:
             "block_chars": pool.block_chars,
             "max_indexed_blocks": routing.max_indexed_blocks,
             "max_blocks_per_request": routing.max_blocks_per_request,
+            "adapter_weight": routing.adapter_weight,
+            "adapter_max_imbalance": routing.adapter_max_imbalance,
         },
         request_routing_stats_period_s=routing.stats_period_s,
     )

@@ -32,7 +32,16 @@ kv_usage` (`raylane.config.ReplicaRoutingConfig`); a replica with `max_imbalance
 flight than the least loaded one loses its prefix term, so a hot prefix cannot pile every request on
 one replica. The best score is Serve's first choice (`prefix_hit` when it won on its match,
 `least_loaded` otherwise); the others follow in score order, so a full replica hands the request on
-rather than queueing it. Decisions are counted in `raylane_replica_routing_decisions_total`; changes
+rather than queueing it.
+
+**LoRA adapters.** A request naming an adapter adds `adapter_weight` to the replicas that hold it (the
+replica's routing stats list its resident adapters; this handle also remembers where it sent each),
+so an adapter's requests go where it is loaded, as Ray Serve's model multiplexing does. Unlike
+multiplexing, that preference lapses on a replica `adapter_max_imbalance` requests busier than the
+least loaded: a hot adapter's next request goes elsewhere, that replica loads it, and from then on
+both hold it, so a popular adapter spreads over the replicas instead of being pinned to one.
+
+Decisions are counted in `raylane_replica_routing_decisions_total`; changes
 in the replica set in `raylane_scale_events_total`.
 """
 
@@ -58,6 +67,7 @@ logger = logging.getLogger(__name__)
 PREFIX_HIT = "prefix_hit"
 LEAST_LOADED = "least_loaded"
 _SEP = "\x00"  # between a message's role and content, and between messages: text cannot forge it
+MAX_SENT_ADAPTERS = 16  # adapters remembered per replica as sent there (engine.max_loras is usually less)
 
 
 def request_text(args: Iterable[Any], max_chars: int | None = None) -> str:
@@ -181,6 +191,8 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         block_chars: int = 64,
         max_indexed_blocks: int = 65536,
         max_blocks_per_request: int = 1024,
+        adapter_weight: float = 1.0,
+        adapter_max_imbalance: int = 2,
         **_: Any,
     ) -> None:
         self.pool = pool or (self._deployment_id.name if self._deployment_id else "")
@@ -188,6 +200,9 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         self.max_imbalance, self.block_chars = max_imbalance, block_chars
         self.index = PrefixIndex(max_indexed_blocks)
         self.max_blocks_per_request = max_blocks_per_request
+        self.adapter_weight, self.adapter_max_imbalance = adapter_weight, adapter_max_imbalance
+        # LoRA adapters this handle sent each replica, most recent last (a few: a replica holds few)
+        self.sent_adapters: dict[ReplicaID, OrderedDict[str, None]] = {}
         self._seen_replicas = False
 
     async def choose_replicas(
@@ -200,13 +215,15 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
             # finds every replica full would be retried at once, in a busy loop.
             pending_request.routing_context.should_backoff = True
         hashes = self._hashes(pending_request)
-        scores = await self.score(candidate_replicas, hashes)
+        scores = await self.score(candidate_replicas, hashes, _adapter(pending_request))
         best = scores[0]
         reason = PREFIX_HIT if best.match > 0 and best.match >= max(s.match for s in scores) else LEAST_LOADED
         _count_decision(self.pool, reason)
         return [[s.replica] for s in scores]
 
-    async def score(self, replicas: list[RunningReplica], hashes: list[bytes]) -> list[ReplicaScore]:
+    async def score(
+        self, replicas: list[RunningReplica], hashes: list[bytes], adapter: str | None = None
+    ) -> list[ReplicaScore]:
         """The replicas, best first."""
         ongoing = await self._queue_lens(replicas)
         least = min(ongoing.values(), default=0)
@@ -218,6 +235,8 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
                 match = 0.0  # too far behind the least loaded replica for its cache to be worth it
             kv = float((r.routing_stats or {}).get("kv_cache_usage", 0.0))
             score = self.prefix_weight * match - self.queue_weight * queued - self.kv_weight * kv
+            if adapter is not None and queued - least < self.adapter_max_imbalance:
+                score += self.adapter_weight * self._holds(r, adapter)
             scored.append(ReplicaScore(r, match, queued, kv, score))
         # Equal scores (idle replicas, a new prefix): the replica holding fewer prefixes first, so new
         # prompts spread over the replicas (Ray's PrefixCacheAffinityRouter picks its "smallest tenant"
@@ -238,6 +257,10 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         cache = self._replica_queue_len_cache
         return {r.replica_id: cache.get(r.replica_id) or 0 for r in replicas}
 
+    def _holds(self, replica: RunningReplica, adapter: str) -> bool:
+        resident = (replica.routing_stats or {}).get("loras") or ()
+        return adapter in resident or adapter in self.sent_adapters.get(replica.replica_id, ())
+
     def _hashes(self, pending_request: PendingRequest | None) -> list[bytes]:
         if pending_request is None or not pending_request.args:
             return []
@@ -249,6 +272,12 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         hashes = self._hashes(pending_request)
         if hashes:
             self.index.insert(replica_id, hashes)
+        if (adapter := _adapter(pending_request)) is not None:
+            sent = self.sent_adapters.setdefault(replica_id, OrderedDict())
+            sent[adapter] = None
+            sent.move_to_end(adapter)
+            if len(sent) > MAX_SENT_ADAPTERS:
+                sent.popitem(last=False)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         before = set(self._replica_id_set)
@@ -256,6 +285,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         after = set(self._replica_id_set)
         for gone in before - after:
             self.index.drop(gone)
+            self.sent_adapters.pop(gone, None)
         if self._seen_replicas and len(after) != len(before):
             _count_scale_event(self.pool, "up" if len(after) > len(before) else "down")
         self._seen_replicas = self._seen_replicas or bool(after)
@@ -263,6 +293,14 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.index.drop(replica_id)
+        self.sent_adapters.pop(replica_id, None)
+
+
+def _adapter(pending_request: PendingRequest | None) -> str | None:
+    for arg in pending_request.args if pending_request is not None else ():
+        if isinstance(arg, PoolRequest):
+            return arg.adapter
+    return None
 
 
 def _count_decision(pool: str, reason: str) -> None:

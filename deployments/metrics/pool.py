@@ -71,6 +71,7 @@ def engine_stats(engine) -> dict:
         "prefix_cache_hits": getattr(blocks, "prefix_cache_hits", 0),
         "prefix_cache_hit_rate": getattr(blocks, "prefix_cache_hits", 0)
         / max(1, getattr(blocks, "prefix_cache_queries", 0)),
+        "lora_ids": scheduler.lora_slots.resident() if scheduler.lora_slots is not None else [],
     }
 
 

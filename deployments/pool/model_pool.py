@@ -185,9 +185,11 @@ class ModelPool:
         from raylane.deployments.metrics.pool import engine_stats
 
         stats = await self.llm.run_in_engine(engine_stats)
+        names = sorted(self.pool.adapters)
         return {
             "kv_cache_usage": stats["kv_cache_usage"],
             "num_requests_waiting": stats["num_requests_waiting"],
+            "loras": [names[i - 1] for i in stats["lora_ids"]],  # resident adapters, for adapter affinity
         }
 
     async def record_autoscaling_stats(self) -> dict:

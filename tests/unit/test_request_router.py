@@ -7,6 +7,7 @@ Serve's own router tests do (`ray.serve._private.test_utils.FakeRunningReplica`,
 importing it needs httpx); tests/integration/test_replica_routing.py runs the router in real Serve."""
 
 import uuid
+from dataclasses import replace
 
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
@@ -199,3 +200,25 @@ async def test_a_huge_prompt_is_hashed_only_to_its_bound_and_cannot_flush_the_in
     load(router, a if home == "a" else b, 2)
     assert (await route(router, chat(SYSTEM, "Do you fix carbon frames?")))[0] == home
     assert decisions("prefix_hit") > 0
+
+
+def adapter_chat(adapter: str, user: str) -> PendingRequest:
+    request = chat(SYSTEM, user)
+    request.args[0] = replace(request.args[0], adapter=adapter)
+    return request
+
+
+async def test_an_adapters_requests_follow_the_replica_holding_it_and_spread_when_it_is_hot():
+    a, b = Replica("a"), Replica("b")
+    router = make_router(a, b, adapter_max_imbalance=2, prefix_weight=0)
+    b.stats["loras"] = ["team-a"]  # b reports the adapter resident
+    load(router, a, 0)
+    load(router, b, 1)
+    assert (await route(router, adapter_chat("team-a", "one")))[0] == "b"  # held beats one request more
+    assert (await route(router, chat(SYSTEM, "base model")))[0] == "a"  # no adapter: the least loaded
+    load(router, b, 2)  # two more in flight than a: the adapter's preference for b lapses
+    assert (await route(router, adapter_chat("team-a", "two")))[0] == "a"
+    load(router, a, 1)  # a has it now too (this gateway sent it there): load decides between them
+    assert (await route(router, adapter_chat("team-a", "three")))[0] == "a"
+    load(router, a, 3)
+    assert (await route(router, adapter_chat("team-a", "four")))[0] == "b"
