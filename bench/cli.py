@@ -21,6 +21,7 @@ BENCHMARKS = {
     "recovery": "raylane.bench.recovery",
     "report": "raylane.bench.report",
     "decode-profile": "raylane.bench.decode_profile",
+    "lora": "raylane.bench.lora",
 }
 
 

@@ -1,12 +1,10 @@
 """LoRA adapters on the tensor-parallel linears: one batch, several adapters (punica's idea, in torch).
 
-Each adapted linear holds `max_loras` slots of low-rank weights beside its base weight: per slot,
-A stacked over the layer's sub-projections ([subs * max_rank, in]) and one B per sub-projection
-([out_sub, max_rank], the adapter's scaling folded in). A slot left empty or an adapter's module
-it does not target stays zero. A step's tokens are grouped in runs of consecutive requests with
-the same adapter (`LoRABatch.segments`, set by the model runner before the forward), and each
-run adds `(x @ A.T) @ B.T` to its rows of the base output: the base weight (float, int8 or int4)
-is read once for the whole batch, each adapter's small matrices once per run, in float.
+Each adapted linear holds `max_loras` slots of low-rank weights beside its base weight (the
+adapter's scaling folded into B); a slot left empty, or a module an adapter does not target, stays
+zero. Before each forward the model runner sets which slot each row of the step runs with
+(`LoRABatch`); every adapted layer then adds each row's `(x @ A.T) @ B.T` to the base output with a
+few batched kernels (`LoRALayer`), in float whatever the base weight's form (float, int8, int4).
 
 Tensor parallelism shards the adapter as the layer it adapts. Column-parallel layers (q/k/v,
 gate/up) keep A whole and B's rows of this rank's output; row-parallel layers (o, down) keep A's
@@ -21,11 +19,13 @@ Adapters come as PEFT writes them (`save_pretrained`): `adapter_config.json` and
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from raylane.parallel import onednn
 
 # PEFT's module names -> (raylane's module, sub-projection index within it)
 TARGETS = {
@@ -113,56 +113,83 @@ def check_adapter(path: str | Path, hf_config, max_rank: int) -> AdapterConfig:
     return config
 
 
-@dataclass(slots=True)
 class LoRABatch:
-    """This step's runs of tokens per adapter slot: (slot, first row, end row); base rows are absent."""
+    """This step's rows and their adapter slots, as a mask every adapted layer shares:
+    `mask[row, slot * max_rank + k]` is 1 where the row runs with `slot`; None when no row has an
+    adapter (the layers then add nothing)."""
 
-    segments: list[tuple[int, int, int]] = field(default_factory=list)
+    def __init__(self, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device):
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self._column_slot = torch.arange(max_loras, device=device).repeat_interleave(max_rank)
+        self._dtype, self._device = dtype, device
+        self.mask: torch.Tensor | None = None
+        self._repeated: dict[int, torch.Tensor] = {}
 
     def set(self, slots: list[int], query_lens: list[int]) -> None:
         """From each request's slot (-1: the base model) and its number of tokens in the step."""
-        self.segments.clear()
-        row = 0
-        for slot, n in zip(slots, query_lens, strict=True):
-            if slot >= 0:
-                last = self.segments[-1] if self.segments else None
-                if last is not None and last[0] == slot and last[2] == row:
-                    self.segments[-1] = (slot, last[1], row + n)
-                else:
-                    self.segments.append((slot, row, row + n))
-            row += n
+        self._repeated.clear()
+        if all(slot < 0 for slot in slots):
+            self.mask = None
+            return
+        per_request = torch.tensor(slots, device=self._device)
+        rows = per_request.repeat_interleave(torch.tensor(query_lens, device=self._device))
+        self.mask = (rows[:, None] == self._column_slot[None, :]).to(self._dtype)
+
+    def mask_for(self, subs: int) -> torch.Tensor:
+        """The mask once per sub-projection side by side ([rows, subs * slots * max_rank])."""
+        if subs not in self._repeated:
+            self._repeated[subs] = self.mask.repeat(1, subs)
+        return self._repeated[subs]
 
 
 class LoRALayer(nn.Module):
     """The slots of one adapted linear: `sub_sizes` are this rank's output sizes of its
-    sub-projections (q, k, v / gate, up / one), `input_size` this rank's input features."""
+    sub-projections (q, k, v / gate, up / one), `input_size` this rank's input features.
 
-    def __init__(
-        self, batch: LoRABatch, input_size: int, sub_sizes: list[int], max_loras: int, max_rank: int
-    ):
+    With W = slots * max_rank: A of every sub-projection and slot is one [subs * W, in] matrix (sub i's
+    slot s in rows i * W + s * max_rank onwards), B one [out, subs * W] matrix, block-diagonal by
+    sub-projection. A step multiplies its rows by all of A, zeroes the columns of slots other than
+    each row's own (the batch's mask) and adds the product with B: three kernels a layer whatever
+    the number of adapters and however their requests interleave, with no Python loop over either.
+    Every slot is computed for every row, `max_loras` times the FLOPs of the row's own adapter (and
+    B's zero blocks), which stays small beside the base weight's at adapter ranks. On CPU both
+    matrices are also kept packed for oneDNN (`repack` after a load), as the base weights are."""
+
+    def __init__(self, batch: LoRABatch, input_size: int, sub_sizes: list[int]):
         super().__init__()
-        self.batch, self.max_rank = batch, max_rank
-        self.sub_sizes = list(sub_sizes)
-        subs = len(sub_sizes)
-        self.register_buffer("lora_a", torch.zeros(max_loras, subs * max_rank, input_size), persistent=False)
-        self.lora_b = nn.ParameterList(  # per sub-projection: [slots, out_sub, max_rank]
-            nn.Parameter(torch.zeros(max_loras, size, max_rank), requires_grad=False) for size in sub_sizes
-        )
+        self.batch, self.sub_sizes = batch, list(sub_sizes)
+        width = len(sub_sizes) * batch.max_loras * batch.max_rank
+        self.register_buffer("lora_a", torch.zeros(width, input_size), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(sum(sub_sizes), width), persistent=False)
+        self.packed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> None:
-        """y[rows] += the adapters' updates, for this step's runs of adapted rows."""
-        r = self.max_rank
-        for slot, start, end in self.batch.segments:
-            low = x[start:end] @ self.lora_a[slot].T  # [rows, subs * r]
-            offset = 0
-            for i, size in enumerate(self.sub_sizes):
-                y[start:end, offset : offset + size] += low[:, i * r : (i + 1) * r] @ self.lora_b[i][slot].T
-                offset += size
+        """y += each row's adapter update (nothing for rows of the base model)."""
+        if self.batch.mask is None:
+            return
+        mask = self.batch.mask_for(len(self.sub_sizes))
+        if self.packed is not None:
+            y.add_(onednn.linear(onednn.linear(x, self.packed[0]) * mask, self.packed[1]))
+        else:
+            y.addmm_((x @ self.lora_a.T) * mask, self.lora_b.T)
+
+    def repack(self) -> None:
+        if self.lora_a.device.type == "cpu" and onednn.available(self.lora_a.dtype):
+            self.packed = (onednn.pack(self.lora_a), onednn.pack(self.lora_b))
+
+    def columns(self, sub: int, slot: int) -> slice:
+        r = self.batch.max_rank
+        start = (sub * self.batch.max_loras + slot) * r
+        return slice(start, start + r)
+
+    def rows(self, sub: int) -> slice:
+        start = sum(self.sub_sizes[:sub])
+        return slice(start, start + self.sub_sizes[sub])
 
     def clear(self, slot: int) -> None:
-        self.lora_a[slot].zero_()
-        for b in self.lora_b:
-            b.data[slot].zero_()
+        for sub in range(len(self.sub_sizes)):
+            self.lora_a[self.columns(sub, slot)].zero_()
+            self.lora_b[:, self.columns(sub, slot)].zero_()
 
 
 def attach_lora(
@@ -173,7 +200,7 @@ def attach_lora(
     before each forward."""
     from raylane.parallel.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
-    batch = LoRABatch()
+    batch = LoRABatch(max_loras, max_rank, dtype, device)
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         if leaf not in {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}:
@@ -186,7 +213,7 @@ def attach_lora(
             subs = [module.output_size]
         else:
             continue  # e.g. an MoE layer's experts: not adapted
-        module.lora = LoRALayer(batch, module.input_size, subs, max_loras, max_rank).to(device, dtype)
+        module.lora = LoRALayer(batch, module.input_size, subs).to(device, dtype)
     return batch
 
 
@@ -197,9 +224,9 @@ def load_adapter(model: nn.Module, slot: int, path: str | Path, max_rank: int) -
 
     config = read_adapter_config(path, max_rank)
     layers = model.model.layers
-    for module in model.modules():
-        if isinstance(module, LoRALayer):
-            module.clear(slot)
+    adapted = [m for m in model.modules() if isinstance(m, LoRALayer)]
+    for module in adapted:
+        module.clear(slot)
     with safe_open(str(Path(path) / "adapter_model.safetensors"), framework="pt") as tensors:
         for key in tensors.keys():  # noqa: SIM118 - safe_open has no __iter__
             match = _TENSOR.search(key)  # `check_adapter` accepted the names and shapes
@@ -207,19 +234,20 @@ def load_adapter(model: nn.Module, slot: int, path: str | Path, max_rank: int) -
             module_name, sub = TARGETS[proj]
             module = getattr(getattr(layers[index], block), module_name)
             _copy_shard(module, slot, sub, which, tensors.get_tensor(key), config, path)
+    for module in adapted:
+        module.repack()
 
 
 def _copy_shard(module, slot: int, sub: int, which: str, weight: torch.Tensor, config: AdapterConfig, path):
     from raylane.parallel.layers import QKVParallelLinear, RowParallelLinear
 
     lora: LoRALayer = module.lora
-    slot_a, slot_b = lora.lora_a, lora.lora_b[sub]
-    rank, r_max = config.rank, lora.max_rank
+    rank, columns = config.rank, lora.columns(sub, slot)
     if which == "A":  # [rank, in]
         if isinstance(module, RowParallelLinear):  # this rank's input columns
             weight = weight.narrow(1, module.tp_rank * module.input_size, module.input_size)
         expected = (rank, module.input_size)
-        target = slot_a[slot, sub * r_max : sub * r_max + rank]
+        target = lora.lora_a[columns][:rank]
     else:  # [out, rank], scaled
         size = lora.sub_sizes[sub]
         if not isinstance(module, RowParallelLinear):  # this rank's output rows
@@ -229,7 +257,7 @@ def _copy_shard(module, slot: int, sub: int, which: str, weight: torch.Tensor, c
             weight = weight.narrow(0, shard * size, size)
         weight = weight * config.scaling
         expected = (size, rank)
-        target = slot_b.data[slot, :, :rank]
+        target = lora.lora_b[lora.rows(sub), columns][:, :rank]
     if tuple(weight.shape) != expected:
         raise LoRAError(f"lora_request: {path}: lora_{which} of shape {tuple(weight.shape)} does not fit")
     target.copy_(weight)
