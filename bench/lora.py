@@ -10,10 +10,19 @@ and the ratio. Memory: the weights one engine holds (its parameters and packed c
 included) against what `--adapters` single-adapter engines would hold (the base weights each, plus
 one slot). The KV cache is left out of both: it is per request, not per adapter.
 
+With `--hot`, a second part in Ray Serve: one pool of two replicas serving the same adapters (the
+gateway's adapter-aware replica routing, deployments/gateway/request_router.py). Two workloads are
+alternated batch by batch through the `openai` client at `--concurrency`: an even mix over the
+adapters, and a hot one, 80% of requests to `adapter-0` and the rest spread over the others. It
+reports the hot adapter's p50 time to first token against the even mix's, and which replicas hold
+each adapter afterwards (their routing stats): a popular adapter should be on both, not pinned to one.
+
     raylane bench lora [--adapters 8] [--rank 8] [--requests 32] [--max-tokens 64] [--out DIR]
+    raylane bench lora --hot [--hot-rounds 4] [--out DIR]
 """
 
 import argparse
+import random
 import tempfile
 import time
 from pathlib import Path
@@ -32,7 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=96)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--out", type=Path, help="folder to write lora.json into")
+    parser.add_argument("--out", type=Path, help="folder to write lora.json (lora_hot.json) into")
+    parser.add_argument("--hot", action="store_true", help="the two-replica hot-adapter run instead")
+    parser.add_argument("--hot-rounds", type=int, default=4, help="batches per workload, alternated")
+    parser.add_argument("--concurrency", type=int, default=8)
 
 
 def make_adapters(checkpoint: str, folder: Path, count: int, rank: int) -> list[str]:
@@ -57,6 +69,8 @@ def make_adapters(checkpoint: str, folder: Path, count: int, rank: int) -> list[
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.hot:
+        return run_hot(args)
     import torch
 
     from raylane.engine import LLM, LoRARequest, SamplingParams
@@ -133,3 +147,145 @@ def run(args: argparse.Namespace) -> int:
             },
         )
     return 0
+
+
+HOT_SHARE = 0.8
+QUESTIONS = [
+    "Name a fruit that is yellow.",
+    "What is the capital of France?",
+    "Write a haiku about rain.",
+    "How many legs does a spider have?",
+    "Give me a synonym for happy.",
+    "What colour is the sky on a clear day?",
+    "Suggest a name for a cat.",
+    "What is two plus three?",
+]
+
+
+def hot_workload(adapters: int, per_round: int, hot: bool, seed: int) -> list[tuple[str, str]]:
+    """(model, question) pairs: an even mix over the adapters, or HOT_SHARE of them to adapter-0."""
+    rng = random.Random(seed)
+    models = []
+    for i in range(per_round):
+        if hot:
+            cold = f"adapter-{1 + rng.randrange(adapters - 1)}"
+            models.append("adapter-0" if rng.random() < HOT_SHARE else cold)
+        else:
+            models.append(f"adapter-{i % adapters}")
+    return [(m, QUESTIONS[rng.randrange(len(QUESTIONS))]) for m in models]
+
+
+def run_hot(args: argparse.Namespace) -> int:
+    import asyncio
+    import statistics
+
+    from raylane.bench.apps import LocalServe
+    from raylane.config import ClusterConfig
+    from raylane.models.gguf import checkpoint_dir
+
+    path = Path(args.model) if Path(args.model).is_file() else None
+    if path is None:
+        from raylane.models.packaged import packaged_model_path
+
+        path = packaged_model_path(args.model)
+    folder = Path(tempfile.mkdtemp(prefix="raylane-lora-bench-"))
+    paths = make_adapters(checkpoint_dir(path), folder, args.adapters, args.rank)
+    engine = {"max_num_seqs": 16, "kv_cache_memory_gb": 0.25, "max_model_len": 1024, "cpus_per_rank": 0.5}
+    engine |= {"max_loras": args.adapters, "max_lora_rank": args.rank}
+    config = ClusterConfig.from_dict(
+        {
+            "gateway": {"num_cpus": 0.1},
+            "embeddings": {"enabled": False},
+            "pools": [
+                {
+                    "name": "chat",
+                    "model": str(path),
+                    "engine": engine,
+                    "replicas": {"min_replicas": 2, "max_replicas": 2},
+                    "adapters": {f"adapter-{i}": p for i, p in enumerate(paths)},
+                }
+            ],
+            "tiers": [{"name": "bench", "priority": 0, "max_queue_depth": 1024, "max_queue_wait_s": 600}],
+            "api_keys": {"default_tier": "bench"},
+        }
+    )
+    ttfts: dict[str, dict[str, list[float]]] = {"even": {}, "hot": {}}
+    with LocalServe() as serve:
+        url = serve.deploy({"lora": config})["lora"]
+        for round_ in range(args.hot_rounds):
+            for name in ("even", "hot") if round_ % 2 == 0 else ("hot", "even"):
+                batch = hot_workload(args.adapters, 4 * args.concurrency, name == "hot", seed=round_)
+                for model, ttft in asyncio.run(_send_all(url, batch, args.concurrency)):
+                    ttfts[name].setdefault(model, []).append(ttft)
+        holders = _replicas_holding(serve)
+    hot = ttfts["hot"]["adapter-0"]
+    hot_p50 = statistics.median(hot)
+    even_p50 = statistics.median([t for v in ttfts["even"].values() for t in v])
+    machine = machine_info()
+    print(f"machine: {machine['cpu']}, {machine['cores']} cores; model: {path.name}; 2 replicas")
+    print_table(
+        ["workload", "requests", "p50 TTFT s"],
+        [
+            ["even mix over the adapters", str(sum(map(len, ttfts["even"].values()))), f"{even_p50:.3f}"],
+            [
+                f"hot: adapter-0 ({HOT_SHARE:.0%} of requests)",
+                str(len(ttfts["hot"]["adapter-0"])),
+                f"{hot_p50:.3f}",
+            ],
+            ["ratio hot / even", "", f"{hot_p50 / even_p50:.2f}x"],
+        ],
+    )
+    print_table(["replica", "adapters resident"], [[pid, ", ".join(names)] for pid, names in holders.items()])
+    if args.out:
+        write_json(
+            args.out / "lora_hot.json",
+            {"machine": machine, "model": str(path), "ttft_s": ttfts, "holders": holders},
+        )
+    return 0
+
+
+async def _send_all(url: str, batch: list[tuple[str, str]], concurrency: int) -> list[tuple[str, float]]:
+    import asyncio
+
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=300)
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(model: str, question: str) -> tuple[str, float]:
+        async with limit:
+            sent = time.perf_counter()
+            stream = await client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": question}],
+                max_tokens=16,
+                temperature=0,
+                stream=True,
+            )
+            ttft = None
+            async for chunk in stream:
+                if ttft is None and any(c.delta and c.delta.content for c in chunk.choices):
+                    ttft = time.perf_counter() - sent
+            return model, ttft if ttft is not None else time.perf_counter() - sent
+
+    try:
+        return list(await asyncio.gather(*(one(m, q) for m, q in batch)))
+    finally:
+        await client.close()
+
+
+def _replicas_holding(serve) -> dict[str, list[str]]:
+    """Each replica's resident adapters (its `stats`, asked until both replicas answered)."""
+    from ray import serve as ray_serve
+
+    from raylane.bench.apps import APP_PREFIX
+    from raylane.deployments.app import pool_deployment_name
+
+    handle = ray_serve.get_deployment_handle(pool_deployment_name("chat"), app_name=APP_PREFIX + "lora")
+    holders: dict[str, list[str]] = {}
+    for _ in range(40):
+        stats = handle.stats.remote().result(timeout_s=30)
+        holders[str(stats["pid"])] = sorted(f"adapter-{i - 1}" for i in stats["lora_ids"])
+        if len(holders) == 2:
+            break
+    return holders

@@ -172,7 +172,7 @@ class ModelPool:
 
         self.reporter.start()
         stats = await self.llm.run_in_engine(engine_stats)
-        return {"pool": self.pool.name, "model": self.pool.model_id, **stats}
+        return {"pool": self.pool.name, "model": self.pool.model_id, "pid": os.getpid(), **stats}
 
     async def startup_times(self) -> dict:
         """When this replica's constructor began, its engine was ready and the constructor ended
