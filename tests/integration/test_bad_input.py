@@ -220,7 +220,9 @@ class _DyingEngine:
     def __init__(self, tokens_before_death: int):
         self.tokens_before_death = tokens_before_death
 
-    async def generate(self, prompt, params, request_id=None, priority=0, resume=None):
+    async def generate(
+        self, prompt, params, request_id=None, priority=0, resume=None, tenant="", lora_request=None
+    ):
         from raylane.engine import EngineDeadError, RequestOutput
         from raylane.engine.outputs import CompletionOutput
 

@@ -428,7 +428,7 @@ def test_embeddings_place_related_sentences_closer(client):
 
 def test_models_list_and_retrieve(client):
     ids = [m.id for m in client.models.list()]
-    assert ids == ["raylane-llama-tiny", "reasoning", "all-MiniLM-L6-v2"]
+    assert ids == ["raylane-llama-tiny", "reasoning", "alpha", "beta", "all-MiniLM-L6-v2"]  # 2 LoRAs
     model = client.models.retrieve("reasoning")
     assert model.id == "reasoning" and model.object == "model" and model.owned_by == "raylane"
 
