@@ -193,8 +193,10 @@ class ModelPool:
         }
 
     async def record_autoscaling_stats(self) -> dict:
-        """Serve's autoscaler collects this from every replica (deployments/pool/autoscaling.py)."""
-        return await self.record_routing_stats()
+        """Serve's autoscaler collects this from every replica (deployments/pool/autoscaling.py); its
+        metrics must be numbers, so not the routing stats' list of resident adapters."""
+        stats = await self.record_routing_stats()
+        return {k: v for k, v in stats.items() if k != "loras"}
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy and replaces it."""
