@@ -191,6 +191,17 @@ async def test_stream_interval_sends_fewer_bigger_deltas_with_the_same_tokens(ll
     assert "".join(d.text for d in chunked) == "".join(d.text for d in every)
 
 
+def first_output_steps(engine: LLMEngine) -> dict[str, int]:
+    """Step the engine until it is idle: request id -> the step that gave its first output."""
+    first: dict[str, int] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for out in engine.step():
+            first.setdefault(out.request_id, step)
+    return first
+
+
 def test_priority_zero_request_is_scheduled_before_earlier_priority_one_requests(llama):
     engine = LLMEngine(EngineConfig(model=llama, num_kv_blocks=64, max_num_seqs=1))
     engine.add_request(random_prompt(8, 20), greedy(6), request_id="running")  # fills the batch
@@ -198,12 +209,7 @@ def test_priority_zero_request_is_scheduled_before_earlier_priority_one_requests
     for i in range(3):
         engine.add_request(random_prompt(8, 30 + i), greedy(6), request_id=f"low{i}", priority=1)
     engine.add_request(random_prompt(8, 40), greedy(6), request_id="urgent", priority=0)
-    first_output_step: dict[str, int] = {}
-    step = 0
-    while engine.has_unfinished_requests():
-        step += 1
-        for out in engine.step():
-            first_output_step.setdefault(out.request_id, step)
+    first_output_step = first_output_steps(engine)
     assert all(first_output_step["urgent"] < first_output_step[f"low{i}"] for i in range(3))
 
 
@@ -216,12 +222,7 @@ def test_within_a_priority_a_key_with_one_request_waits_for_a_slot_not_for_anoth
         engine.add_request(random_prompt(8, 20 + i), greedy(4 + i), request_id=f"a{i}", tenant="key-a")
     engine.step()  # a0 and a1 run
     engine.add_request(random_prompt(8, 40), greedy(4), request_id="b", tenant="key-b")
-    first_output_step: dict[str, int] = {}
-    step = 0
-    while engine.has_unfinished_requests():
-        step += 1
-        for out in engine.step():
-            first_output_step.setdefault(out.request_id, step)
+    first_output_step = first_output_steps(engine)
     waited = sorted(set(first_output_step) - {"a0", "a1"}, key=first_output_step.get)
     assert waited == ["b", "a2", "a3", "a4", "a5", "a6"], waited
 
