@@ -74,6 +74,12 @@ class GatewayConfig(StrictModel):
         "route falls back) only when Ray and Serve have no live replica of it: one too busy to answer "
         "in time is `busy` and keeps its traffic.",
     )
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        description="In open mode (no API keys), let any caller load and unload LoRA adapters at run time "
+        "(POST /v1/load_lora_adapter; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING). With keys, only keys "
+        "of a tier with `admin: true` may, whatever this says.",
+    )
     metrics_require_key: bool = Field(
         False,
         description="/metrics asks for an API key, as the API does (with keys configured); false: open "

@@ -242,6 +242,11 @@ class TierConfig(StrictModel):
         "with slots free; null = no cap: a key alone may use all its tier may, and keys of a tier "
         "share a busy pool's slots by taking turns",
     )
+    admin: bool = Field(
+        False,
+        description="keys of this tier may load and unload LoRA adapters at run time "
+        "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter)",
+    )
 
 
 def default_tiers() -> list[TierConfig]:

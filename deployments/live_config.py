@@ -30,9 +30,19 @@ from raylane.config import ClusterConfig, PoolConfig
 
 NAMESPACE = "raylane"
 # Pool settings the gateway or Serve apply without touching the replica (its router's admission,
-# Serve's replica count, routing and health checks): changing only these restarts nothing.
+# Serve's replica count, routing and health checks, the LoRA adapters the gateway names to it with
+# each request): changing only these restarts nothing. (A pool's first adapter also turns on the
+# engine's `enable_lora`: a replica setting.)
 POOL_FIELDS_OUTSIDE_THE_REPLICA = frozenset(
-    {"replicas", "routing", "max_in_flight", "max_waiting", "health_check_period_s", "health_check_timeout_s"}
+    {
+        "replicas",
+        "routing",
+        "max_in_flight",
+        "max_waiting",
+        "health_check_period_s",
+        "health_check_timeout_s",
+        "adapters",
+    }
 )
 
 
@@ -179,6 +189,7 @@ def gateway_user_config(state: LiveState) -> dict:
 
 
 def forget(app: str) -> None:
-    """The app is deleted: drop its configs and state."""
-    for key in _kv()._internal_kv_list(f"live_config:{app}:".encode(), namespace=NAMESPACE):
-        _kv()._internal_kv_del(key, namespace=NAMESPACE)
+    """The app is deleted: drop its configs and state, and the LoRA adapters loaded into it at run
+    time (deployments/gateway/lora_adapters.py)."""
+    for prefix in (f"live_config:{app}:", f"lora:{app}:"):
+        _kv()._internal_kv_del(prefix.encode(), del_by_prefix=True, namespace=NAMESPACE)

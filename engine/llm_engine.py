@@ -136,6 +136,13 @@ class LLMEngine:
                 self.scheduler.add_request(sample)
         return request_id
 
+    def check_lora(self, lora_path: str) -> None:
+        """Raise ValueError when this engine could not run the adapter at `lora_path` (not serving
+        adapters, a missing or unreadable file, a rank or tensor that does not fit the model)."""
+        if not self.config.enable_lora:
+            raise ValueError("lora_request: this engine serves no adapters (start it with enable_lora)")
+        check_adapter(lora_path, self.hf_config, self.config.max_lora_rank)
+
     def _validate_lora(self, lora: LoRARequest) -> None:
         """What the runner would fail on when it loads the adapter, found before the request is
         accepted (a load that failed inside a step would end the engine for everyone)."""

@@ -8,6 +8,7 @@ runs it carries the load (`ModelInput.lora_loads`), so every tensor-parallel ran
 before the forward. A request whose adapter finds every slot pinned waits.
 """
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -23,6 +24,13 @@ class LoRARequest:
     def __post_init__(self) -> None:
         if self.lora_int_id < 1:
             raise ValueError(f"lora_request: lora_int_id must be at least 1, got {self.lora_int_id}")
+
+
+def adapter_id(name: str, path: str) -> int:
+    """A `lora_int_id` for the adapter `name` at `path`, the same in every process (63 bits of a
+    hash: two adapters sharing one is as likely as a collision of random 63-bit ids)."""
+    digest = hashlib.blake2b(f"{name}\0{path}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % (2**63 - 1) + 1
 
 
 class LoRASlots:

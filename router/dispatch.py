@@ -128,8 +128,8 @@ class DispatchPlan:
         raise self._exhausted()
 
     def headers(self) -> dict[str, str]:
-        """`x-raylane-*` response headers: route, pool, tier and, where it happened, fallback and the
-        `auto` decision."""
+        """`x-raylane-*` response headers: route, pool, tier and, where it happened, fallback, the
+        `auto` decision and the LoRA adapter."""
         headers = {
             "x-raylane-route": self.resolution.route,
             "x-raylane-pool": self.pool or "",
@@ -140,6 +140,8 @@ class DispatchPlan:
             headers["x-raylane-fallback"] = fallback
         if self.resolution.decision is not None:  # how `auto` chose: semantic, rule, default or sticky
             headers["x-raylane-decision"] = self.resolution.decision.method
+        if self.resolution.adapter is not None:
+            headers["x-raylane-adapter"] = self.resolution.adapter
         return headers
 
     def _exhausted(self) -> Exception:

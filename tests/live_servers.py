@@ -59,7 +59,8 @@ def make_cluster_config(demo_models: dict, port: int):
     return ClusterConfig.from_dict(
         {
             "http": {"host": "127.0.0.1", "port": port},
-            "gateway": {"num_cpus": 0.1},
+            # open mode: anyone may load LoRA adapters at run time (test_lora_api.py)
+            "gateway": {"num_cpus": 0.1, "allow_runtime_lora_updating": True},
             "batch": {"store": f"{batch_dir}/batch.sqlite3", "files_dir": f"{batch_dir}/files"},
             "pools": [
                 {
@@ -157,7 +158,7 @@ def make_router_config(demo_models: dict, port: int):
             ],
             "router": {"routes": routes, "circuit_breaker": {"failure_threshold": 2, "cooldown_s": 2.0}},
             "tiers": [
-                {"name": "premium", "priority": 0, **wait},
+                {"name": "premium", "priority": 0, "admin": True, **wait},
                 {"name": "standard", "priority": 1, **wait},
                 free,
                 {"name": "limited", "priority": 1, "requests_per_minute": 1, **wait},

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from raylane.config import ClusterConfig
 from raylane.deployments.gateway.drain import DrainWatcher
+from raylane.deployments.gateway.lora_adapters import LoRAAdapters
 from raylane.deployments.gateway.pool_failures import (
     PoolFailure,
     failure_signature,
@@ -71,8 +72,10 @@ class Dispatcher:
         pools: dict[str, Any],
         health: PoolHealth,
         drain: DrainWatcher,
+        lora: LoRAAdapters,
     ) -> None:
         self.config, self.router, self.pools, self.health, self.drain = config, router, pools, health, drain
+        self.lora = lora
 
     async def dispatch(
         self,
@@ -116,9 +119,8 @@ class Dispatcher:
             )
         plan = self.router.plan(principal, resolution, charge=charge)
         suspects: list[tuple[Slot, PoolFailure]] = []  # failures not yet counted against their pool
-        request = replace(
-            request, priority=plan.priority, tenant=principal.key_id, adapter=resolution.adapter
-        )
+        adapter = None if resolution.adapter is None else self.lora.ref(resolution.adapter, resolution.pools)
+        request = replace(request, priority=plan.priority, tenant=principal.key_id, adapter=adapter)
         resumer = Resumer(self.config, self.pools, self.health, request, list(resolution.pools))
         try:
             return await self._walk(plan, principal, streaming, request, suspects, resumer)

@@ -8,7 +8,8 @@ id, or `auto` / `raylane-auto` -> the semantic classifier's route; 404), then ha
 `Dispatcher` (deployments/gateway/dispatch.py): a slot in the first pool of the route's fallback chain that
 can serve, the pool's first item, fallback before it and relay after it. The charge is settled with
 the tokens used when the response ends; a request refused on the way is settled with none.
-Responses carry `x-raylane-route`, `-pool`, `-tier` and, where it happened, `x-raylane-fallback`.
+Responses carry `x-raylane-route`, `-pool`, `-tier` and, where they apply, `-fallback`,
+`-decision` and `-adapter`.
 When the client goes away, the pool call is cancelled; the pool's generator aborts the engine
 request. `PoolHealth` (deployments/gateway/pool_health.py) checks each pool in the background; embeddings
 are computed here (deployments/gateway/embeddings.py). While the app drains before shutdown
@@ -25,7 +26,7 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -39,6 +40,7 @@ from raylane.deployments.gateway.batch_api import BatchApi, list_limit, owner, p
 from raylane.deployments.gateway.dispatch import Dispatcher, error_response
 from raylane.deployments.gateway.drain import RETRY_AFTER_S, DrainWatcher
 from raylane.deployments.gateway.embeddings import create_embeddings, return_large_buffers
+from raylane.deployments.gateway.lora_adapters import LoRAAdapters
 from raylane.deployments.gateway.openapi import publish, route_docs
 from raylane.deployments.gateway.pool_health import PoolHealth, pool_deployment_name, serve_liveness
 from raylane.deployments.gateway.request_body import (
@@ -70,6 +72,7 @@ from raylane.deployments.protocol.errors import (
     model_not_found,
     unavailable,
 )
+from raylane.deployments.protocol.lora_schemas import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from raylane.deployments.protocol.openai_schemas import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -190,14 +193,19 @@ class Gateway:
 
         torch.set_num_threads(1)  # the classifier's short inputs: a second thread spin-waits on shared cores
         return_large_buffers()
-        self.router = build_router(self.config)  # logs loudly when no API key is configured (open mode)
+        context = serve.get_replica_context()
+        self.lora = LoRAAdapters(context.app_name, self.config, self._adapters_changed)
+        self.lora.loaded = self.lora.read()  # those loaded at run time before this replica started
+        # (logs loudly when no API key is configured: open mode)
+        self.router = build_router(self.config, self.lora.by_pool())
         self.grammar_worker: BoundedWorker | None = None  # started by the first request with a grammar
         start_forkserver(GRAMMAR_PRELOAD)  # what its workers import, now rather than for that request
-        context = serve.get_replica_context()
         self.drain = DrainWatcher(context.app_name, context.replica_id.unique_id)
         period_s, alive = self.config.gateway.pool_health_period_s, serve_liveness(context.app_name)
         self.pool_health = PoolHealth(self.pools, self.router, period_s, alive)
-        self.dispatcher = Dispatcher(self.config, self.router, self.pools, self.pool_health, self.drain)
+        self.dispatcher = Dispatcher(
+            self.config, self.router, self.pools, self.pool_health, self.drain, self.lora
+        )
         self._stored_responses: StoredResponses | None = None
         self.affinity = ConversationAffinity(self.config.router.affinity)
         self.built_config = self.config  # what the app was built with, before any user config
@@ -240,7 +248,9 @@ class Gateway:
     async def _take(self, config: ClusterConfig, app_name: str) -> None:
         """Switch this replica to `config`: the router (a changed route's classifier is trained off
         the loop, seconds), the pools' handles, the settings."""
-        update_router(self.router, config, await asyncio.to_thread(classifier_for, self.router, config))
+        classifier = await asyncio.to_thread(classifier_for, self.router, config)
+        self.lora.config = config
+        update_router(self.router, config, classifier, self.lora.by_pool())
         grpc = os.environ.get("RAY_SERVE_USE_GRPC_BY_DEFAULT") == "1"
         for pool in config.pools:
             if pool.name not in self.pools:
@@ -433,6 +443,55 @@ class Gateway:
             await self.batch.call("cancel_batch", owner(self.authenticate(request)), batch_id)
         )
 
+    # -- LoRA adapters loaded at run time (deployments/gateway/lora_adapters.py) ----------------------
+
+    @app.post("/v1/load_lora_adapter", **route_docs(None, LoadLoRAAdapterRequest))
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: serve a PEFT adapter on a pool from now on, through every gateway replica. A
+        replica of the pool checks it first (its files, rank and shapes against the pool's model),
+        so a bad adapter is this call's 400, never a failed request later."""
+        req = await self.admin_body(request, LoadLoRAAdapterRequest)
+        pool = self.lora.lora_pool(req.pool, req.lora_name)
+        name = req.lora_name.split(":", 1)[-1]
+        await self.call_pool(pool, [], lambda handle: handle.check_adapter.remote(req.lora_path))
+        await self.lora.load(pool, name, req.lora_path)
+        logger.info("LoRA adapter %s loaded on pool %s from %s", name, pool, req.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", **route_docs(None, UnloadLoRAAdapterRequest))
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: stop serving an adapter loaded at run time (requests running with it finish)."""
+        req = await self.admin_body(request, UnloadLoRAAdapterRequest)
+        pool = self.lora.lora_pool(req.pool, req.lora_name)
+        name = req.lora_name.split(":", 1)[-1]
+        await self.lora.unload(pool, name)
+        logger.info("LoRA adapter %s unloaded from pool %s", name, pool)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def admin_body(self, request: Request, model):
+        """The body of an adapter change, once the caller is found to be allowed one: a key of an
+        `admin` tier, or anyone in open mode with `gateway.allow_runtime_lora_updating`."""
+        principal = self.authenticate(request)
+        self.router.check_rate(principal)
+        if self.router.open_mode and not self.config.gateway.allow_runtime_lora_updating:
+            raise OpenAIError(
+                "Loading LoRA adapters at run time is off: configure API keys with an `admin` tier, or "
+                "set gateway.allow_runtime_lora_updating (open mode).",
+                status=403,
+                code="permission_denied",
+            )
+        if not self.router.open_mode and not principal.tier.admin:
+            raise OpenAIError(
+                f"Only keys of an `admin` tier may load or unload LoRA adapters; this key's tier is "
+                f"'{principal.tier.name}'.",
+                status=403,
+                code="permission_denied",
+            )
+        return await parse_body(request, model, self.config.gateway.max_request_body_bytes)
+
+    def _adapters_changed(self) -> None:
+        update_router(self.router, self.config, self.router.classifier, self.lora.by_pool())
+
     async def run_batch_line(self, key_id: str, endpoint: str, body: bytes) -> tuple[int, str, bool]:
         """One line of a batch (called by the batch actor), served as a request of the `batch` tier
         from the key that made the batch: (status, JSON body, whether other tiers were using its pool)."""
@@ -610,8 +669,9 @@ class Gateway:
     def model_cards(self) -> list[ModelCard]:
         cards = [ModelCard(id=p.model_id, created=self.created) for p in self.config.pools]
         listed = {p.name for p in self.config.pools} | {c.id for c in cards}
+        adapters = self.lora.by_pool()
         for pool in self.config.pools:  # an adapter by its own name, or `<pool>:<name>` where that is taken
-            for name in pool.adapters:
+            for name in adapters[pool.name]:
                 model = name if name not in listed else f"{pool.name}:{name}"
                 listed.add(model)
                 cards.append(ModelCard(id=model, created=self.created, parent=pool.model_id))
@@ -621,6 +681,7 @@ class Gateway:
 
     def check_open(self) -> None:
         self.pool_health.watch()
+        self.lora.watch()
         self.drain.start()
         if self.drain.draining:
             raise Draining()

@@ -23,6 +23,7 @@ from raylane.deployments.protocol.batch_schemas import (
     FileList,
     FileObject,
 )
+from raylane.deployments.protocol.lora_schemas import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from raylane.deployments.protocol.openai_schemas import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -59,6 +60,8 @@ REQUESTS = (
     DetokenizeRequest,
     ResponsesRequest,
     BatchCreateRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
 )
 RESPONSES = (
     ChatCompletion,
@@ -114,14 +117,17 @@ def _events(chunk: type[BaseModel]) -> dict[str, Any]:
 
 
 def route_docs(
-    response: type[BaseModel],
+    response: type[BaseModel] | None,
     request: type[BaseModel] | tuple[type[BaseModel], ...] | None = None,
     chunk: type[BaseModel] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for `app.post/get`: the request body (required JSON; one of several models
     when `request` is a tuple), the 200 body (and the `text/event-stream` of `chunk`s when the route
-    streams) and OpenAI's error body."""
-    ok = _json(ref(response, "serialization"), "Success")
+    streams; None: a line of text, as vLLM's adapter endpoints answer) and OpenAI's error body."""
+    if response is None:
+        ok = {"description": "Success", "content": {"text/plain": {"schema": {"type": "string"}}}}
+    else:
+        ok = _json(ref(response, "serialization"), "Success")
     if chunk is not None:
         ok["content"]["text/event-stream"] = _events(chunk)
     error = _json(ref(ErrorResponse, "serialization"), "OpenAI's error object naming the problem")

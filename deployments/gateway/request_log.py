@@ -41,7 +41,14 @@ _current: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar(
 )
 
 
-HEADER_FIELDS = ("route", "pool", "tier", "fallback", "decision")  # x-raylane-<field> -> RequestRecord
+HEADER_FIELDS = (
+    "route",
+    "pool",
+    "tier",
+    "fallback",
+    "decision",
+    "adapter",
+)  # x-raylane-<field> -> RequestRecord
 
 
 @dataclass(slots=True)
@@ -54,6 +61,7 @@ class RequestRecord:
     status: int | None = None
     route: str | None = None
     pool: str | None = None
+    adapter: str | None = None  # the LoRA adapter it ran with
     tier: str | None = None
     fallback: str | None = None  # x-raylane-fallback: "from;reason=why, ..."
     decision: str | None = None  # x-raylane-decision: how `auto` chose (semantic, rule, default, sticky)
@@ -93,6 +101,7 @@ class RequestRecord:
             "status": self.status,
             "route": self.route,
             "pool": self.pool,
+            "adapter": self.adapter,
             "tier": self.tier,
             "fallback": self.fallback,
             "decision": self.decision,

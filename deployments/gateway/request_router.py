@@ -299,7 +299,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
 def _adapter(pending_request: PendingRequest | None) -> str | None:
     for arg in pending_request.args if pending_request is not None else ():
         if isinstance(arg, PoolRequest):
-            return arg.adapter
+            return None if arg.adapter is None else arg.adapter.name
     return None
 
 

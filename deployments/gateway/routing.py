@@ -41,7 +41,9 @@ class _NoRoutes:
         )
 
 
-def pool_specs(config: ClusterConfig) -> list[PoolSpec]:
+def pool_specs(config: ClusterConfig, adapters: dict[str, dict[str, str]] | None = None) -> list[PoolSpec]:
+    """`adapters`: each pool's LoRA adapters by name (its config's and those loaded at run time);
+    none: its config's."""
     return [
         PoolSpec(
             name=p.name,
@@ -49,7 +51,7 @@ def pool_specs(config: ClusterConfig) -> list[PoolSpec]:
             max_context_len=p.engine.max_model_len,
             max_in_flight=p.max_in_flight,
             max_waiting=p.max_waiting,
-            adapters=tuple(p.adapters),
+            adapters=tuple(p.adapters if adapters is None else adapters.get(p.name, {})),
         )
         for p in config.pools
     ]
@@ -113,11 +115,13 @@ def _classifier(routes: RouterConfig, current: Router | None = None):
     return SemanticClassifier(routes)
 
 
-def build_router(config: ClusterConfig) -> Router:
-    """Loads the semantic classifier (seconds) unless no route fits the pools."""
+def build_router(config: ClusterConfig, adapters: dict[str, dict[str, str]] | None = None) -> Router:
+    """Loads the semantic classifier (seconds) unless no route fits the pools. `adapters`: see
+    `pool_specs`."""
     routes = _routes(config)
     tiers = replica_tiers(config.tiers, config.gateway.num_replicas)
-    return Router(routes, tiers, config.api_keys, pool_specs(config), classifier=_classifier(routes))
+    specs = pool_specs(config, adapters)
+    return Router(routes, tiers, config.api_keys, specs, classifier=_classifier(routes))
 
 
 def classifier_for(router: Router, config: ClusterConfig):
@@ -125,8 +129,12 @@ def classifier_for(router: Router, config: ClusterConfig):
     return _classifier(_routes(config), router)
 
 
-def update_router(router: Router, config: ClusterConfig, classifier) -> None:
-    """Apply a new cluster config to a running router in place (`Router.update`), on the event loop
-    that its requests run on (the admission controller hands slots to waiting requests)."""
+def update_router(
+    router: Router, config: ClusterConfig, classifier, adapters: dict[str, dict[str, str]] | None = None
+) -> None:
+    """Apply a new cluster config (or a change of the LoRA `adapters`, see `pool_specs`) to a running
+    router in place (`Router.update`), on the event loop that its requests run on (the admission
+    controller hands slots to waiting requests)."""
     tiers = replica_tiers(config.tiers, config.gateway.num_replicas)
-    router.update(_routes(config), tiers, config.api_keys, pool_specs(config), classifier=classifier)
+    specs = pool_specs(config, adapters)
+    router.update(_routes(config), tiers, config.api_keys, specs, classifier=classifier)

@@ -79,7 +79,9 @@ class PoolMetrics(MetricSet):
     def __init__(self, pool: str, model: str) -> None:
         super().__init__()
         self.labels = {"pool": pool, "model": model}
-        names, r = ["pool", "model"], self.registry
+        # `adapter`: the LoRA adapter's served name, "" for the base model (adapters are the
+        # operator's, so the label's values are few)
+        names, r = ["pool", "model", "adapter"], self.registry
         self.ttft = Histogram(
             "raylane_time_to_first_token_seconds",
             "Time from arrival in the engine to the first generated token.",
@@ -134,8 +136,9 @@ class RequestTracker:
     """Watches one engine request's outputs, records it in `PoolMetrics` and, once it has ended,
     holds its `summary`."""
 
-    def __init__(self, metrics: PoolMetrics, delta: bool, clock=time.monotonic) -> None:
+    def __init__(self, metrics: PoolMetrics, delta: bool, adapter: str = "", clock=time.monotonic) -> None:
         self.metrics, self.delta, self.clock = metrics, delta, clock
+        self.labels = metrics.labels | {"adapter": adapter}
         self.tokens: dict[int, int] = {}  # choice -> tokens so far
         self.reasons: dict[int, str] = {}
         self.prompt_tokens: int | None = None
@@ -146,7 +149,7 @@ class RequestTracker:
         self.summary: RequestSummary | None = None  # set when the request ends (if it was prefilled)
 
     def observe(self, out: RequestOutput) -> None:
-        m, labels = self.metrics, self.metrics.labels
+        m, labels = self.metrics, self.labels
         now = self.clock()
         if self.prompt_tokens is None:  # the prompt has been prefilled
             self.prompt_tokens = len(out.prompt_token_ids)
@@ -189,7 +192,7 @@ class RequestTracker:
 
     def _finish(self, e2e: float | None, default_reason: str = "abort") -> None:
         self.done = True
-        m, labels = self.metrics, self.metrics.labels
+        m, labels = self.metrics, self.labels
         if e2e is not None:
             m.e2e.labels(**labels).observe(e2e)
         if not self.delta and e2e is not None and self.ttft is not None:
@@ -258,6 +261,7 @@ class MeteredLLM:
 
     def generate(self, prompt, sampling_params=None, request_id=None, **kwargs) -> MeteredStream:
         delta = sampling_params is not None and sampling_params.output_kind == RequestOutputKind.DELTA
-        tracker = RequestTracker(self._metrics, delta)
+        lora = kwargs.get("lora_request")
+        tracker = RequestTracker(self._metrics, delta, "" if lora is None else lora.lora_name)
         request_id = request_id or uuid.uuid4().hex
         return MeteredStream(self._llm, prompt, sampling_params, request_id, tracker, **kwargs)

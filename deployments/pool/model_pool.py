@@ -19,11 +19,12 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from operator import methodcaller
 from typing import TYPE_CHECKING
 
 from raylane.config import EngineConfig, PoolConfig
 from raylane.engine.core_launch import CoreLaunch, launch_core
-from raylane.engine.lora import LoRARequest
+from raylane.engine.lora import LoRARequest, adapter_id
 
 if TYPE_CHECKING:
     from raylane.deployments.protocol.tokenization_schemas import DetokenizeRequest, TokenizeRequest
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 HEALTH_PROBE_TIMEOUT_S = 10.0
+MAX_ADAPTER_NAMES = 1024  # adapter ids this replica remembers the names of (for its routing stats)
 
 
 class ModelPool:
@@ -44,6 +46,7 @@ class ModelPool:
         fresh node lacks); the default takes the pool's `model` as a path."""
         started = time.time()
         self.pool = PoolConfig.model_validate(pool)
+        self.adapter_names: dict[int, str] = {}  # LoRA adapter id -> the name it was asked for by
         config = prepare_engine_config(self.pool)
         logger.info("pool %s: loading %s", self.pool.name, config.model)
         launch = launch_core(config) if config.uses_core_process else None
@@ -131,14 +134,28 @@ class ModelPool:
             yield item
 
     def _lora(self, request: PoolRequest) -> LoRARequest | None:
-        """The engine's request for the adapter the client named; ids follow the names' order, so
-        every replica of the pool gives an adapter the same id."""
+        """The engine's request for the adapter the gateway named: its directory in this pool, and
+        an id made of name and directory, so every replica gives an adapter the same id and one
+        loaded again from another directory gets another (the engine keys slots and cached
+        blocks by id)."""
         if request.adapter is None:
             return None
-        names = sorted(self.pool.adapters)
-        return LoRARequest(
-            request.adapter, names.index(request.adapter) + 1, self.pool.adapters[request.adapter]
-        )
+        name, path = request.adapter.name, request.adapter.path(self.pool.name)
+        lora = LoRARequest(name, adapter_id(name, path), path)
+        self.adapter_names[lora.lora_int_id] = name
+        while len(self.adapter_names) > MAX_ADAPTER_NAMES:  # ids of adapters long unloaded
+            del self.adapter_names[next(iter(self.adapter_names))]
+        return lora
+
+    async def check_adapter(self, lora_path: str) -> None:
+        """What running the adapter at `lora_path` would fail on (`POST /v1/load_lora_adapter` asks
+        before it serves one): a 400 naming `lora_path`."""
+        from raylane.deployments.protocol.errors import invalid
+
+        try:
+            await self.llm.run_in_engine(methodcaller("check_lora", lora_path))
+        except ValueError as e:
+            raise invalid("lora_path", str(e).removeprefix("lora_request: ")) from None
 
     async def tokenize(self, request: TokenizeRequest) -> str:
         """vLLM's /tokenize with this pool's tokenizer and chat template: the response's JSON; a
@@ -185,11 +202,11 @@ class ModelPool:
         from raylane.deployments.metrics.pool import engine_stats
 
         stats = await self.llm.run_in_engine(engine_stats)
-        names = sorted(self.pool.adapters)
         return {
             "kv_cache_usage": stats["kv_cache_usage"],
             "num_requests_waiting": stats["num_requests_waiting"],
-            "loras": [names[i - 1] for i in stats["lora_ids"]],  # resident adapters, for adapter affinity
+            # resident adapters by name, for adapter affinity
+            "loras": [self.adapter_names[i] for i in stats["lora_ids"] if i in self.adapter_names],
         }
 
     async def record_autoscaling_stats(self) -> dict:

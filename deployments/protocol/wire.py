@@ -111,6 +111,19 @@ PoolItem = str | OpenAIError | FinalItem | StreamItem
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterRef:
+    """A LoRA adapter as the gateway names it to a pool: its served name and its PEFT directory in
+    each pool that serves it under that name (the gateway's config and run-time loads decide both;
+    a pool replica holds no list of its own, so an adapter loaded at run time needs no restart)."""
+
+    name: str
+    paths: tuple[tuple[str, str], ...]  # (pool, directory)
+
+    def path(self, pool: str) -> str:
+        return dict(self.paths)[pool]
+
+
+@dataclass(frozen=True, slots=True)
 class PoolRequest:
     """One request as the gateway hands it to a pool, whole: the pool method that serves it
     (`endpoint`), the OpenAI request (for `responses`, the chat request it maps to), its sampling
@@ -127,7 +140,7 @@ class PoolRequest:
     echo: dict | None = None
     priority: int = 0
     tenant: str = ""
-    adapter: str | None = None
+    adapter: AdapterRef | None = None
     resume: ResumeState | None = None
 
     def call(self, handle: Any, resume: ResumeState | None = None) -> Any:

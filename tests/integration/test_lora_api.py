@@ -3,6 +3,7 @@ Llama) serves two adapters PEFT made for it, `alpha` and `beta` (tests/live_serv
 
 import concurrent.futures
 
+import httpx2
 import openai
 import pytest
 
@@ -61,3 +62,82 @@ def test_an_unknown_adapter_is_a_404_naming_the_models_there_are(client):
         client.chat.completions.create(model="chat:gamma", messages=HI, max_tokens=2)
     message = raised.value.body["message"]
     assert "'chat:gamma' does not exist" in message and "'alpha'" in message and "'chat:beta'" in message
+
+
+def test_an_adapter_loaded_at_run_time_is_served_until_it_is_unloaded(client, api_server, tmp_path):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (the session app is in open mode with
+    `allow_runtime_lora_updating`): no replica restarts, and the adapter's answers are its weights'."""
+    from raylane.deployments.app import APP_NAME
+    from raylane.deployments.gateway.lora_adapters import LoRAAdapters
+    from tests.unit.test_lora import make_adapter
+
+    http = httpx2.Client(base_url=api_server.url, timeout=60)
+    llama = api_server.config.pool("chat").model
+    pid = api_server.pool_stats("chat")["pid"]
+    alpha_path = api_server.config.pool("chat").adapters["alpha"]
+    gamma_path = str(make_adapter(llama, tmp_path / "gamma", 11, 4, 8, ["k_proj", "up_proj"], False))
+    loaded = http.post("/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": gamma_path})
+    assert loaded.status_code == 200 and "gamma" in loaded.text
+    # alpha's weights under another name: alpha's answer, though the engine holds them twice
+    again = {"lora_name": "chat:alpha-again", "lora_path": alpha_path}
+    assert http.post("/v1/load_lora_adapter", json=again).status_code == 200
+    try:
+        cards = {m.id: m for m in client.models.list().data}
+        assert cards["gamma"].model_extra["parent"] == cards["alpha-again"].model_extra["parent"] == BASE
+        gamma = answer(client, "gamma")
+        assert gamma[0] == "gamma" and gamma[1] not in (answer(client, BASE)[1], answer(client, "alpha")[1])
+        assert answer(client, "alpha-again", stream=True) == ("alpha-again", answer(client, "alpha")[1])
+        raw = client.chat.completions.with_raw_response.create(model="gamma", messages=HI, max_tokens=2)
+        assert (raw.headers["x-raylane-pool"], raw.headers["x-raylane-adapter"]) == ("chat", "gamma")
+        # a gateway replica started now (or another one) serves them too: they are in the GCS
+        record = LoRAAdapters(APP_NAME, api_server.config, lambda: None)
+        assert record.read()["chat"] == {"gamma": gamma_path, "alpha-again": alpha_path}
+        duplicate = http.post("/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": alpha_path})
+        assert duplicate.status_code == 400 and "already been loaded" in duplicate.json()["error"]["message"]
+        in_config = http.post("/v1/unload_lora_adapter", json={"lora_name": "alpha"})
+        assert in_config.status_code == 400 and "cluster config" in in_config.json()["error"]["message"]
+    finally:
+        for name in ("gamma", "alpha-again"):
+            assert http.post("/v1/unload_lora_adapter", json={"lora_name": name}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        answer(client, "gamma")
+    gone = http.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"})
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "lora_name"
+    assert answer(client, "alpha")[0] == "alpha"  # the config's adapters are untouched
+    assert api_server.pool_stats("chat")["pid"] == pid  # served without a restart
+
+
+def test_an_adapter_the_pool_could_not_run_is_refused_when_it_is_loaded(api_server, tmp_path):
+    from tests.unit.test_lora import make_adapter
+
+    http = httpx2.Client(base_url=api_server.url, timeout=60)
+    llama = api_server.config.pool("chat").model
+    too_wide = str(make_adapter(llama, tmp_path / "wide", 3, 32, 32, ["q_proj"], False))  # max_lora_rank 16
+    for path, says in (
+        ("relative/dir", "absolute"),
+        (str(tmp_path / "nowhere"), "nowhere"),
+        (too_wide, "rank"),
+    ):
+        refused = http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": path})
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and error["param"] == "lora_path" and says in error["message"]
+    reasoning = http.post("/v1/load_lora_adapter", json={"lora_name": "reasoning:x", "lora_path": too_wide})
+    assert reasoning.status_code == 400 and "serves no LoRA adapters" in reasoning.json()["error"]["message"]
+    assert "bad" not in {m["id"] for m in http.get("/v1/models").json()["data"]}
+
+
+def test_only_keys_of_an_admin_tier_may_load_adapters(router_server):
+    """The router app has API keys; its `premium` tier is `admin`. Its pools serve no adapters, so an
+    admin's load is refused for that, after the key was let through."""
+    from tests.live_servers import ROUTER_KEYS
+
+    http = httpx2.Client(base_url=router_server.url, timeout=60)
+    body = {"lora_name": "x", "lora_path": "/adapters/x", "pool": "chat"}
+    for tier in ("standard", "free"):
+        headers = {"Authorization": f"Bearer {ROUTER_KEYS[tier]}"}
+        refused = http.post("/v1/load_lora_adapter", json=body, headers=headers)
+        assert refused.status_code == 403 and "admin" in refused.json()["error"]["message"]
+    assert http.post("/v1/unload_lora_adapter", json=body).status_code == 401
+    admin = {"Authorization": f"Bearer {ROUTER_KEYS['premium']}"}
+    refused = http.post("/v1/load_lora_adapter", json=body, headers=admin)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "pool"

@@ -3,7 +3,8 @@ each limit on what one request may ask for.
 
 The fuzz (schemathesis over /openapi.json, positive and negative cases) sends at least 1,000
 requests to /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses (and GET/DELETE of
-a stored one), /tokenize, /detokenize, /v1/models and the Batch API's routes (files', batches'):
+a stored one), /tokenize, /detokenize, /v1/models, the Batch API's routes (files', batches') and
+vLLM's LoRA adapter routes:
 no 5xx, every 4xx in OpenAI's error shape, every 2xx valid against the schema the gateway
 publishes (a stream: JSON events then [DONE], or the Responses API's typed events ending in
 response.completed / response.incomplete; no error event).
@@ -49,6 +50,8 @@ FUZZ = [
     ("GET", "/v1/files", 1),
     ("GET", "/v1/files/{file_id}", 10),
     ("DELETE", "/v1/files/{file_id}", 10),
+    ("POST", "/v1/load_lora_adapter", 10),  # open mode without allow_runtime_lora_updating: 403s
+    ("POST", "/v1/unload_lora_adapter", 10),
 ]
 STATUSES: dict[str, Counter] = {}  # "METHOD path" -> status -> requests
 ERRORS: Counter = Counter()  # (generation mode, status, code, param) of the 4xx answers

@@ -59,6 +59,15 @@ def test_versions_follow_the_replica_settings_only():
     assert pool_version(chat) == pool_version(chat.model_copy(update={"max_in_flight": 3}))
     engine = chat.engine.model_copy(update={"max_num_seqs": 4})
     assert pool_version(chat) != pool_version(chat.model_copy(update={"engine": engine}))
+
+    # Adapters are named to the replicas with each request: another one restarts nothing, once the
+    # engine serves adapters at all (a pool's first turns on engine.enable_lora, and that does).
+    def with_adapters(adapters: dict[str, str]):
+        pools = [{"name": "chat", "model": "/models/a", "engine": {"max_num_seqs": 8}, "adapters": adapters}]
+        return cluster(pools=pools + [{"name": "coding", "model": "/models/b"}]).pools[0]
+
+    with_one, with_two = with_adapters({"a": "/a"}), with_adapters({"a": "/a", "b": "/b"})
+    assert pool_version(with_one) == pool_version(with_two) != pool_version(chat)
     # Two configs that differ only in a key's value are two configs (the dump masks keys).
     other_key = cluster(api_keys={"keys": {"sk-b": "premium"}})
     assert config_digest(cluster()) != config_digest(other_key)

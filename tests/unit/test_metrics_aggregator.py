@@ -81,6 +81,19 @@ def test_a_request_left_early_counts_as_aborted():
     )
 
 
+def test_a_requests_tokens_are_counted_under_its_lora_adapter():
+    metrics = PoolMetrics("chat", "m")
+    for adapter, tokens in (("", [5]), ("team-a", [6, 7]), ("team-a", [8])):
+        tracker = RequestTracker(metrics, delta=True, adapter=adapter)
+        tracker.observe(output(tokens, reason="stop", e2e=0.5))
+    values = metrics.counter_values()
+    generated = ("raylane_generation_tokens", "raylane_generation_tokens_total")
+    assert values[(*generated, _labels())] == 1
+    assert values[(*generated, _labels(adapter="team-a"))] == 3
+    success = ("raylane_request_success", "raylane_request_success_total")
+    assert values[(*success, _labels(adapter="team-a", finished_reason="stop"))] == 2
+
+
 def test_metered_llm_passes_everything_but_generate_through():
     class Fake:
         tokenizer = "tok"
@@ -100,4 +113,4 @@ def test_histogram_buckets_render_in_order():
 
 
 def _labels(**extra):
-    return tuple(sorted(({"pool": "chat", "model": "m"} | extra).items()))
+    return tuple(sorted(({"pool": "chat", "model": "m", "adapter": ""} | extra).items()))

@@ -17,7 +17,7 @@ from raylane.deployments.app import request_router_config
 from raylane.deployments.gateway.request_router import PrefixAwareRouter, block_hashes, request_text
 from raylane.deployments.metrics.gateway import gateway_metrics
 from raylane.deployments.protocol.openai_schemas import ChatCompletionRequest, CompletionRequest
-from raylane.deployments.protocol.wire import PoolRequest
+from raylane.deployments.protocol.wire import AdapterRef, PoolRequest
 
 SYSTEM = (
     "You are the support assistant of a bicycle shop. Answer questions about repairs, parts, "
@@ -204,7 +204,7 @@ async def test_a_huge_prompt_is_hashed_only_to_its_bound_and_cannot_flush_the_in
 
 def adapter_chat(adapter: str, user: str) -> PendingRequest:
     request = chat(SYSTEM, user)
-    request.args[0] = replace(request.args[0], adapter=adapter)
+    request.args[0] = replace(request.args[0], adapter=AdapterRef(adapter, (("chat", "/adapters/x"),)))
     return request
 
 
