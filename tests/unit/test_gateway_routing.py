@@ -1,5 +1,7 @@
 """Which routes the gateway's router gets from a cluster config (deployments/gateway/routing.py)."""
 
+import pytest
+
 from raylane.config import ClusterConfig
 from raylane.deployments.gateway.routing import effective_router_config, pool_specs
 
@@ -70,3 +72,36 @@ def test_rate_limits_are_the_clusters_split_over_the_gateway_replicas():
     standard = next(t for t in router.authenticator._tiers.values() if t.name == "standard")
     assert standard.max_concurrent_per_key == 1
     assert cfg.tiers[0].requests_per_minute == 7  # the config itself is unchanged
+
+
+def test_adapters_loaded_at_run_time_join_the_configs_and_name_their_directory_per_pool():
+    """What the gateway tells pools and the resolver about LoRA adapters (lora_adapters.py), without
+    the GCS record: a config adapter wins over a loaded one of the same name, a loaded one into a
+    pool the config no longer has is not served, and the pool a load means is found or asked for."""
+    from raylane.deployments.gateway.lora_adapters import LoRAAdapters
+    from raylane.deployments.protocol.errors import OpenAIError
+
+    def pool(name: str, **extra) -> dict:
+        return {"name": name, "model": "demo:raylane-llama-tiny", "engine": ENGINE, **extra}
+
+    cfg = ClusterConfig.from_dict(
+        {
+            "pools": [
+                pool("chat", adapters={"a": "/cfg/a"}),
+                pool("coding", engine=ENGINE | {"enable_lora": True}),
+            ]
+        }
+    )
+    lora = LoRAAdapters("app", cfg, lambda: None)
+    lora.loaded = {"chat": {"a": "/gcs/a", "b": "/gcs/b"}, "coding": {"b": "/gcs/b2"}, "gone": {"c": "/c"}}
+    assert lora.by_pool() == {"chat": {"a": "/cfg/a", "b": "/gcs/b"}, "coding": {"b": "/gcs/b2"}}
+    assert [spec.adapters for spec in pool_specs(cfg, lora.by_pool())] == [("a", "b"), ("b",)]
+    ref = lora.ref("b", ("chat", "coding"))
+    assert (ref.path("chat"), ref.path("coding")) == ("/gcs/b", "/gcs/b2")
+    with pytest.raises(OpenAIError, match="model `c` does not exist"):
+        lora.ref("c", ("chat",))  # unloaded between the request's resolution and its dispatch
+    assert lora.lora_pool(None, "coding:x") == lora.lora_pool("coding", "x") == "coding"
+    for pool_name, name, says in ((None, "x", "Name the pool"), ("llama", "x", "serves no LoRA")):
+        with pytest.raises(OpenAIError, match=says) as raised:
+            lora.lora_pool(pool_name, name)
+        assert raised.value.param == "pool"
