@@ -244,6 +244,10 @@ async def bench(base_url: str, requests: list[BenchRequest], **kwargs) -> tuple[
 def test_bench_measures_the_scripted_delays():
     # First token 100 ms after the request, then one token every 20 ms: 6 tokens, E2E ~ 200 ms.
     with serving(Script(ttft_s=0.1, gap_s=0.02)) as url:
+        # A first run pays the process's one-time costs (lazy imports, the server's first request):
+        # 30-70 ms more TTFT on a quiet machine, 400 ms more in a whole-suite run, which is not
+        # what the bench is asked to measure here.
+        asyncio.run(bench(url, requests_of(1, max_tokens=2), concurrency=1))
         records, wall = asyncio.run(bench(url, requests_of(4, max_tokens=6), concurrency=2))
     s = summarize(records, wall)
     assert s["errors"] == 0 and s["usage_reported"]
