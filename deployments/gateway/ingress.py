@@ -454,7 +454,7 @@ class Gateway:
         pool = self.lora.lora_pool(req.pool, req.lora_name)
         name = req.lora_name.split(":", 1)[-1]
         await self.call_pool(pool, [], lambda handle: handle.check_adapter.remote(req.lora_path))
-        await self.lora.load(pool, name, req.lora_path)
+        await self.lora.load(pool, name, req.lora_path, req.load_inplace)
         logger.info("LoRA adapter %s loaded on pool %s from %s", name, pool, req.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 

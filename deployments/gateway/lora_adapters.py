@@ -117,13 +117,16 @@ class LoRAAdapters:
             )
         return pool
 
-    async def load(self, pool: str, name: str, path: str) -> None:
-        if name in self.by_pool()[pool]:
+    async def load(self, pool: str, name: str, path: str, inplace: bool = False) -> None:
+        """`inplace` (vLLM's `load_inplace`): a run-time adapter of that name takes the new directory
+        (its new id: replicas load the new weights into another slot); never a config adapter."""
+        taken = self.config.pool(pool).adapters if inplace else self.by_pool()[pool]
+        if name in taken:
             raise invalid("lora_name", f"The lora adapter '{name}' has already been loaded.")
         entry = json.dumps({"pool": pool, "name": name, "path": path}).encode()
         key = self._key(pool, name)
         put = _kv()._internal_kv_put
-        if await asyncio.to_thread(put, key, entry, overwrite=False, namespace=NAMESPACE):
+        if await asyncio.to_thread(put, key, entry, overwrite=inplace, namespace=NAMESPACE) and not inplace:
             raise invalid("lora_name", f"The lora adapter '{name}' has already been loaded.")
         self.loaded.setdefault(pool, {})[name] = path
         self.on_change()

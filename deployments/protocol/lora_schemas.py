@@ -22,6 +22,11 @@ class LoadLoRAAdapterRequest(_Request):
         "every node of the pool",
     )
     pool: str | None = Field(None, max_length=63, description="the pool to serve it on")
+    load_inplace: bool = Field(
+        False,
+        description="replace an adapter loaded at run time under this name (its requests from now on "
+        "run the new weights); else a name taken is a 400",
+    )
 
     @field_validator("lora_path")
     @classmethod

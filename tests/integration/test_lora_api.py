@@ -94,6 +94,12 @@ def test_an_adapter_loaded_at_run_time_is_served_until_it_is_unloaded(client, ap
         assert record.read()["chat"] == {"gamma": gamma_path, "alpha-again": alpha_path}
         duplicate = http.post("/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": alpha_path})
         assert duplicate.status_code == 400 and "already been loaded" in duplicate.json()["error"]["message"]
+        # vLLM's load_inplace: `gamma` now runs alpha's weights, under its own name
+        inplace = {"lora_name": "gamma", "lora_path": alpha_path, "load_inplace": True}
+        assert http.post("/v1/load_lora_adapter", json=inplace).status_code == 200
+        assert answer(client, "gamma") == ("gamma", answer(client, "alpha")[1])
+        over_config = http.post("/v1/load_lora_adapter", json=inplace | {"lora_name": "alpha"})
+        assert over_config.status_code == 400  # a config adapter is the config's to change
         in_config = http.post("/v1/unload_lora_adapter", json={"lora_name": "alpha"})
         assert in_config.status_code == 400 and "cluster config" in in_config.json()["error"]["message"]
     finally:
