@@ -451,8 +451,7 @@ class Gateway:
         replica of the pool checks it first (its files, rank and shapes against the pool's model),
         so a bad adapter is this call's 400, never a failed request later."""
         req = await self.admin_body(request, LoadLoRAAdapterRequest)
-        pool = self.lora.lora_pool(req.pool, req.lora_name)
-        name = req.lora_name.split(":", 1)[-1]
+        pool, name = self.lora.target(req.pool, req.lora_name)
         await self.call_pool(pool, [], lambda handle: handle.check_adapter.remote(req.lora_path))
         await self.lora.load(pool, name, req.lora_path, req.load_inplace)
         logger.info("LoRA adapter %s loaded on pool %s from %s", name, pool, req.lora_path)
@@ -462,8 +461,7 @@ class Gateway:
     async def unload_lora_adapter(self, request: Request) -> Response:
         """vLLM's: stop serving an adapter loaded at run time (requests running with it finish)."""
         req = await self.admin_body(request, UnloadLoRAAdapterRequest)
-        pool = self.lora.lora_pool(req.pool, req.lora_name)
-        name = req.lora_name.split(":", 1)[-1]
+        pool, name = self.lora.target(req.pool, req.lora_name)
         await self.lora.unload(pool, name)
         logger.info("LoRA adapter %s unloaded from pool %s", name, pool)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

@@ -98,30 +98,39 @@ class LoRAAdapters:
 
     # -- changes (the gateway checked the caller and the adapter) -----------------------------------
 
-    def lora_pool(self, pool: str | None, name: str) -> str:
-        """The pool a load or unload means: `pool`, the pool part of `name` (`<pool>:<name>`), or the
-        only pool serving adapters (400 naming the field when none fits)."""
+    def target(self, pool: str | None, lora_name: str) -> tuple[str, str]:
+        """(pool, adapter name) a load or unload means: the pool is `pool`, the pool part of
+        `lora_name` (`<pool>:<name>`), or the only pool serving adapters (400 naming the field when
+        none fits)."""
         enabled = [p.name for p in self.config.pools if p.engine.enable_lora]
-        if pool is None and ":" in name:
-            pool = name.split(":", 1)[0]
+        prefix, _, name = lora_name.rpartition(":")
+        pool = pool or prefix or None
         if pool is None:
             if len(enabled) != 1:
                 message = f"Name the pool: pools serving adapters here: {enabled}." if enabled else ""
                 raise invalid("pool", f"No single pool serves LoRA adapters. {message}".strip())
-            return enabled[0]
+            return enabled[0], name
         if pool not in enabled:
             raise invalid(
                 "pool",
                 f"The pool {pool!r} serves no LoRA adapters: pools that do: {enabled} "
                 "(a pool serves them with `adapters` or `engine.enable_lora: true`).",
             )
-        return pool
+        return pool, name
+
+    def _check_not_in_config(self, pool: str, name: str) -> None:
+        if name in self.config.pool(pool).adapters:
+            raise invalid(
+                "lora_name",
+                f"The lora adapter '{name}' is in the cluster config (pools[].adapters): change it "
+                "there (raylane apply).",
+            )
 
     async def load(self, pool: str, name: str, path: str, inplace: bool = False) -> None:
         """`inplace` (vLLM's `load_inplace`): a run-time adapter of that name takes the new directory
         (its new id: replicas load the new weights into another slot); never a config adapter."""
-        taken = self.config.pool(pool).adapters if inplace else self.by_pool()[pool]
-        if name in taken:
+        self._check_not_in_config(pool, name)
+        if not inplace and name in self.loaded.get(pool, {}):
             raise invalid("lora_name", f"The lora adapter '{name}' has already been loaded.")
         entry = json.dumps({"pool": pool, "name": name, "path": path}).encode()
         key = self._key(pool, name)
@@ -132,12 +141,7 @@ class LoRAAdapters:
         self.on_change()
 
     async def unload(self, pool: str, name: str) -> None:
-        if name in dict(self.config.pool(pool).adapters):
-            raise invalid(
-                "lora_name",
-                f"The lora adapter '{name}' is in the cluster config (pools[].adapters): remove it "
-                "there (raylane apply).",
-            )
+        self._check_not_in_config(pool, name)
         deleted = await asyncio.to_thread(_kv()._internal_kv_del, self._key(pool, name), namespace=NAMESPACE)
         self.loaded.get(pool, {}).pop(name, None)
         if not deleted:

@@ -41,14 +41,8 @@ _current: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar(
 )
 
 
-HEADER_FIELDS = (
-    "route",
-    "pool",
-    "tier",
-    "fallback",
-    "decision",
-    "adapter",
-)  # x-raylane-<field> -> RequestRecord
+# x-raylane-<field> -> RequestRecord
+HEADER_FIELDS = ("route", "pool", "tier", "fallback", "decision", "adapter")
 
 
 @dataclass(slots=True)

@@ -100,8 +100,8 @@ def test_adapters_loaded_at_run_time_join_the_configs_and_name_their_directory_p
     assert (ref.path("chat"), ref.path("coding")) == ("/gcs/b", "/gcs/b2")
     with pytest.raises(OpenAIError, match="model `c` does not exist"):
         lora.ref("c", ("chat",))  # unloaded between the request's resolution and its dispatch
-    assert lora.lora_pool(None, "coding:x") == lora.lora_pool("coding", "x") == "coding"
+    assert lora.target(None, "coding:x") == lora.target("coding", "x") == ("coding", "x")
     for pool_name, name, says in ((None, "x", "Name the pool"), ("llama", "x", "serves no LoRA")):
         with pytest.raises(OpenAIError, match=says) as raised:
-            lora.lora_pool(pool_name, name)
+            lora.target(pool_name, name)
         assert raised.value.param == "pool"
