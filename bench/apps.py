@@ -157,9 +157,11 @@ class LocalServe:
         import ray
         from ray import serve
 
+        from raylane.deployments.app import delete_app
+
         try:
             for app in self.apps:
-                serve.delete(app)
+                delete_app(app)
             if self._started_serve:
                 serve.shutdown()
         finally:

@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def measure(tokenizer) -> list[dict]:
     from raylane.engine.grammar_compiler import GrammarCompileService, GrammarTooComplex
-    from raylane.engine.structured_output import StructuredOutputManager, StructuredOutputParams
+    from raylane.engine.structured_output import StructuredOutputManager
+    from raylane.engine.structured_params import StructuredOutputParams
 
     info = StructuredOutputManager(tokenizer, len(tokenizer)).tokenizer_info.serialize_json()
 

@@ -271,17 +271,11 @@ def _drain(timeout_s: float) -> None:
 
 
 def _shutdown(serve, joined: bool) -> None:
-    from raylane.deployments import live_config
-    from raylane.deployments.app import APP_NAME
-    from raylane.deployments.batch.service import delete_batch_service
-    from raylane.deployments.gateway.response_store import delete_response_store
+    from raylane.deployments.app import APP_NAME, delete_app
 
     try:
-        live_config.forget(APP_NAME)
         if joined:  # leave other apps on a shared cluster alone
-            serve.delete(APP_NAME)
-            delete_response_store(APP_NAME)  # a detached actor: it would outlive the app
-            delete_batch_service(APP_NAME)  # (its records stay on disk, for the next `raylane serve`)
+            delete_app(APP_NAME)  # (the batch records stay on disk, for the next `raylane serve`)
             if serve.status().applications:
                 return
         serve.shutdown()

@@ -186,3 +186,20 @@ def _coerce(config) -> ClusterConfig:
     if isinstance(config, str | os.PathLike):
         return ClusterConfig.from_yaml(config)
     return ClusterConfig.from_dict(config)
+
+
+def delete_app(name: str) -> None:
+    """Delete Serve app `name` and what it keeps outside its replicas on a cluster that stays up: its
+    detached actors (response store, batch service, metrics aggregator: each would idle on, a Ray
+    worker process apiece) and its live config and run-time LoRA adapters in the GCS. The batch
+    records stay on disk, for the next app on the same store."""
+    from raylane.deployments import live_config
+    from raylane.deployments.batch.service import service_name
+    from raylane.deployments.detached import end_detached
+    from raylane.deployments.gateway.response_store import store_name
+    from raylane.deployments.metrics.aggregator import aggregator_name
+
+    serve.delete(name)
+    for actor in (store_name(name), service_name(name), aggregator_name(name)):
+        end_detached(actor)
+    live_config.forget(name)

@@ -52,13 +52,13 @@ def _init_compiler(tokenizer_info_json: str) -> None:
 def compile_serialized(params) -> str:
     """In the worker: check, build and compile `params` (a `StructuredOutputParams`); the compiled
     grammar as xgrammar's JSON."""
-    from raylane.engine.structured_output import _clean
+    from raylane.engine.structured_params import clean_xgrammar_error
 
     grammar = params.validate()
     try:
         compiled = _compiler.compile_grammar(grammar)
     except RuntimeError as e:
-        raise ValueError(f"structured.{params.kind}: {_clean(e)}") from None
+        raise ValueError(f"structured.{params.kind}: {clean_xgrammar_error(e)}") from None
     return compiled.serialize_json()
 
 

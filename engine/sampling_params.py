@@ -30,7 +30,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-k logprobs per generated token (0: only the sampled token's)
     skip_special_tokens: bool = True
-    # Grammar constraint: a `raylane.engine.structured_output.StructuredOutputParams` or a dict of its
+    # Grammar constraint: a `raylane.engine.structured_params.StructuredOutputParams` or a dict of its
     # fields.
     structured: Any = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -45,7 +45,7 @@ class SamplingParams:
             self.top_k = 0
         self._validate()
         if self.structured is not None:
-            from raylane.engine.structured_output import StructuredOutputParams
+            from raylane.engine.structured_params import StructuredOutputParams
 
             if isinstance(self.structured, dict):
                 self.structured = StructuredOutputParams(**self.structured)

@@ -172,6 +172,7 @@ def make_router_config(demo_models: dict, port: int):
 def router_server(api_server, demo_models):
     from ray import serve
 
+    from raylane.deployments.app import delete_app
     from tests.integration.faulty_pool import FaultyPool
 
     config = make_router_config(demo_models, int(api_server.url.rsplit(":", 1)[1]))
@@ -179,7 +180,7 @@ def router_server(api_server, demo_models):
     url = f"{api_server.url}{ROUTER_PREFIX}"
     wait_healthy(f"{url}/health", 300)
     yield RouterServer(url, config)
-    serve.delete(ROUTER_APP)
+    delete_app(ROUTER_APP)
 
 
 @pytest.fixture(scope="module", name="server")

@@ -37,7 +37,7 @@ from raylane.deployments.batch.lines import (
     read_input,
 )
 from raylane.deployments.batch.store import BatchStore, is_postgresql, now
-from raylane.deployments.detached import detached_actor, end_detached
+from raylane.deployments.detached import detached_actor
 from raylane.deployments.metrics.batch import BatchMetrics, batch_reporter
 from raylane.deployments.protocol.errors import OpenAIError
 
@@ -402,8 +402,3 @@ def batch_service(app_name: str, config: BatchConfig, max_body_bytes: int):
     calls are retried when Ray restarts it (`run` among them: see `BatchService.run`)."""
     args = (app_name, config.model_dump(), max_body_bytes)
     return detached_actor(BatchService, service_name(app_name), *args, max_task_retries=-1)
-
-
-def delete_batch_service(app_name: str) -> bool:
-    """End the app's batch actor when the app goes away (its records stay on disk for the next)."""
-    return end_detached(service_name(app_name))

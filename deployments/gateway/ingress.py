@@ -119,8 +119,9 @@ BATCH_SERVERS = {
     "/v1/embeddings": "serve_embeddings",
     "/v1/responses": "serve_responses",
 }
-# What the gateway's grammar-check workers import (deployments/protocol/sampling.py builds the grammars).
-GRAMMAR_PRELOAD = ("raylane.deployments.protocol.sampling",)
+# What the gateway's grammar-check workers import (deployments/protocol/sampling.py builds the grammars,
+# xgrammar checks them): the gateway process itself imports neither xgrammar nor torch.
+GRAMMAR_PRELOAD = ("raylane.deployments.protocol.sampling", "xgrammar")
 # The prompt's token estimate charged before the body is parsed: JSON text runs about four bytes a
 # token in the tokenizers raylane serves; settled with the real count when the request ends.
 PROMPT_BYTES_PER_TOKEN = 4

@@ -21,9 +21,9 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from raylane.deployments.detached import NAMESPACE, detached_actor, end_detached
+from raylane.deployments.detached import NAMESPACE, detached_actor
 
-__all__ = ["NAMESPACE", "ResponseStore", "delete_response_store", "response_store", "store_name"]
+__all__ = ["NAMESPACE", "ResponseStore", "response_store", "store_name"]
 
 
 class ResponseStore:
@@ -81,12 +81,6 @@ class ResponseStore:
 
 def store_name(app_name: str) -> str:
     return f"raylane-responses-{app_name}"
-
-
-def delete_response_store(app_name: str) -> bool:
-    """End the app's store (its responses with it) when the app goes away on a cluster that stays up;
-    whether there was one."""
-    return end_detached(store_name(app_name))
 
 
 def response_store(app_name: str, max_entries: int, ttl_s: float, max_per_key: int | None = None):

@@ -21,7 +21,7 @@ from raylane.deployments.protocol.openai_schemas import (
 )
 from raylane.deployments.protocol.tool_calls import tool_call_grammar
 from raylane.engine.sampling_params import SamplingParams
-from raylane.engine.structured_output import StructuredOutputParams
+from raylane.engine.structured_params import StructuredOutputParams
 
 
 @dataclass(slots=True)

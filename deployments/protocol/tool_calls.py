@@ -58,7 +58,7 @@ def tool_call_grammar(tools: list[dict], only: str | None = None, parallel: bool
         TagsWithSeparatorFormat,
     )
 
-    from raylane.engine.structured_output import tighten_json_strings
+    from raylane.engine.structured_params import tighten_json_strings
 
     chosen = [t for t in tools if only is None or t["name"] == only]
     tags = [

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -527,11 +528,12 @@ def alive(pid: int) -> bool:
 
 
 def start_raylane_serve(
-    demo_models, *args: str, timeout: float = 150
+    demo_models, *args: str, timeout: float = 150, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen, list[str], threading.Thread]:
-    """`raylane serve ARGS` in a session of its own, on the demo models already written (no download),
-    returned once it prints its URL; its output lines keep coming into the list the reader fills."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    """`raylane serve ARGS` in a session of its own (with `env` added to this one's), on the demo
+    models already written (no download), returned once it prints its URL; its output lines keep
+    coming into the list the reader fills."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | (env or {})
     env["RAYLANE_DEMO_DIR"] = str(next(iter(demo_models.values())).parent)
     command = [str(Path(sys.executable).with_name("raylane")), "serve", *args]
     proc = subprocess.Popen(
@@ -623,17 +625,23 @@ def test_raylane_serve_runs_the_embedded_default_until_ctrl_c(demo_models):
     assert "raylane: stopped" in "".join(lines)
 
 
+STOP_BOUND_S = 30  # how long a supervisor waits after SIGTERM before it kills what is left
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Serve's HAProxy ingress is Linux-only")
 def test_two_raylane_serves_behind_haproxy_run_side_by_side(demo_models, tmp_path):
     """`http.ingress: haproxy`: Serve's HAProxy takes the port and forwards to the gateway replica.
     Two such clusters on one machine each get their own HAProxy files and ports (Ray's defaults are
     the same for every cluster), both stream through their own port; SIGHUP makes one apply its edited
-    config file in place (cluster/apply.py), and only that one; Ctrl-C leaves nothing."""
+    config file in place (cluster/apply.py), and only that one. Then `a` stops on Ctrl-C, and `b` the
+    way systemd, `timeout` and most supervisors stop a service: SIGTERM to its whole process group,
+    within STOP_BOUND_S and with exit code 0. Neither leaves a process behind."""
     from tests.live_servers import free_port
 
     servers = []
+    ray_root = tempfile.mkdtemp(prefix="rl-grp-", dir="/tmp")  # short: Ray's socket paths live under it
     try:
-        for name in ("a", "b"):
+        for name, env in (("a", {}), ("b", {"RAY_TMPDIR": ray_root})):
             port = free_port()
             config = tmp_path / f"{name}.yaml"
             config.write_text(
@@ -641,7 +649,7 @@ def test_two_raylane_serves_behind_haproxy_run_side_by_side(demo_models, tmp_pat
                 "embeddings: {enabled: false}\n"
                 "pools: [{name: chat, model: 'demo:raylane-llama-tiny', engine: {num_kv_blocks: 128}}]\n"
             )
-            proc, lines, reader = start_raylane_serve(demo_models, "--config", str(config))
+            proc, lines, reader = start_raylane_serve(demo_models, "--config", str(config), env=env)
             servers.append((port, proc, reader, config, lines))
             assert "behind Serve's HAProxy" in next(line for line in lines if "OpenAI API at" in line)
         for port, proc, *_ in servers:
@@ -677,15 +685,48 @@ def test_two_raylane_serves_behind_haproxy_run_side_by_side(demo_models, tmp_pat
         open_b = openai.OpenAI(base_url=f"http://127.0.0.1:{servers[1][0]}/v1", api_key="x", max_retries=0)
         assert open_b.models.list().data
 
+        # `b`'s Ray runs under its own temp dir, and writes no address file that a plain ray.init()
+        # elsewhere on the machine would join through.
+        assert any("gcs_server" in text for _, text in ray_processes_of(ray_root))
+        assert not (Path(ray_root) / "ray" / "ray_current_cluster").exists()
         started = set().union(*(descendants(proc.pid) for _, proc, *_ in servers))
-        for _, proc, *_ in servers:
-            proc.send_signal(signal.SIGINT)
-        assert [proc.wait(timeout=120) for _, proc, *_ in servers] == [0, 0]
-        assert wait_for(lambda: not [p for p in started if alive(p)], timeout=15)
+        (_, a, *_), (_, b, _, _, b_lines) = servers
+        a.send_signal(signal.SIGINT)
+        os.killpg(b.pid, signal.SIGTERM)  # what `systemctl stop`, `timeout` and `kill -TERM -PGID` do
+        try:
+            b_code = b.wait(timeout=STOP_BOUND_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running {STOP_BOUND_S} s after SIGTERM:\n" + "".join(b_lines[-30:]))
+        assert b_code == 0, "".join(b_lines[-30:])
+        assert a.wait(timeout=120) == 0
+
+        def left() -> list:
+            return [p for p in started if alive(p)] + ray_processes_of(ray_root)
+
+        assert wait_for(lambda: not left(), timeout=15), left()
     finally:
         for _, proc, reader, *_ in servers:
             stop_raylane_serve(proc)
             reader.join(timeout=5)
+        for pid, _ in ray_processes_of(ray_root):  # never leave a stray Ray to the rest of the session
+            os.kill(pid, signal.SIGKILL)
+    for *_, lines in servers:
+        assert "raylane: stopped" in "".join(lines)
+
+
+def ray_processes_of(root: str) -> list[tuple[int, str]]:
+    """Live processes whose command line names `root` (a serve's Ray temp dir: GCS, raylet,
+    dashboard and workers all take their session dir under it), so other Rays on the machine
+    (the test session's own) do not count."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if root in text and alive(int(cmdline.parent.name)):
+            found.append((int(cmdline.parent.name), text[:120]))
+    return found
 
 
 def listening_ports(pids: list[int]) -> set[int]:

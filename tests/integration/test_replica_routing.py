@@ -73,7 +73,7 @@ def server(api_server, demo_models):
     from ray import serve
 
     from raylane.config import ClusterConfig
-    from raylane.deployments.app import build_app
+    from raylane.deployments.app import build_app, delete_app
 
     llama = str(demo_models["raylane-llama-tiny"])
     engine = {"max_num_seqs": 8, "num_kv_blocks": 512, "cpus_per_rank": 0.25, "seed": 0}
@@ -93,7 +93,7 @@ def server(api_server, demo_models):
     url = f"{api_server.url}{PREFIX}"
     wait_healthy(f"{url}/health", 300)
     yield url
-    serve.delete(APP)
+    delete_app(APP)
 
 
 @pytest.fixture

@@ -41,7 +41,7 @@ def deployed(api_server, name: str, config: dict):
     from ray import serve
 
     from raylane.config import ClusterConfig
-    from raylane.deployments.app import build_app
+    from raylane.deployments.app import build_app, delete_app
     from tests.live_servers import wait_healthy
 
     port = int(api_server.url.rsplit(":", 1)[1])
@@ -57,7 +57,7 @@ def deployed(api_server, name: str, config: dict):
         wait_healthy(f"{url}/health", 300)
         yield url
     finally:
-        serve.delete(name)
+        delete_app(name)
 
 
 def replica_names(app: str, deployment: str) -> list[str]:

@@ -58,6 +58,7 @@ def keyed(api_server, demo_models):
     """The app's URL (…/auth); its pool is a `RecordingPool`."""
     from ray import serve
 
+    from raylane.deployments.app import delete_app
     from tests.live_servers import app_with_pools, wait_healthy
     from tests.reliability.recording_pool import RecordingPool
 
@@ -68,7 +69,7 @@ def keyed(api_server, demo_models):
         wait_healthy(f"{url}/health", 300)
         yield url
     finally:
-        serve.delete(APP)
+        delete_app(APP)
 
 
 @pytest.fixture(scope="module")

@@ -138,6 +138,7 @@ def test_apply_changes_a_cluster_under_load_without_a_failed_request(api_server,
     from raylane.cluster.apply import ApplyError, apply_config, deploy_live
     from raylane.config import ClusterConfig
     from raylane.deployments import live_config
+    from raylane.deployments.app import delete_app
 
     port = int(api_server.url.rsplit(":", 1)[1])
     url = f"{api_server.url}/{APP}"
@@ -263,8 +264,7 @@ def test_apply_changes_a_cluster_under_load_without_a_failed_request(api_server,
         # Each request's log line names the config that served it: every generation served some.
         assert logged_generations() == {1, 2, 3, 4, 5}
     finally:
-        serve.delete(APP)
-        live_config.forget(APP)
+        delete_app(APP)
 
 
 def logged_generations() -> set[int]:

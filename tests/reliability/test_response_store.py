@@ -17,7 +17,8 @@ pytestmark = pytest.mark.timeout(600)
 def app(api_server, demo_models):
     import ray
 
-    from raylane.deployments.gateway.response_store import NAMESPACE, delete_response_store, store_name
+    from raylane.deployments.gateway.response_store import NAMESPACE, store_name
+    from raylane.deployments.metrics.aggregator import aggregator_name
 
     config = {
         "gateway": {"num_cpus": 0.1, "responses_max_stored": MAX_STORED},
@@ -25,9 +26,12 @@ def app(api_server, demo_models):
     }
     with deployed(api_server, APP, config) as url:
         yield url
-    assert delete_response_store(APP)  # detached: it would outlive the app
-    with pytest.raises(ValueError):
-        ray.get_actor(store_name(APP), namespace=NAMESPACE)
+        ray.get_actor(aggregator_name(APP), namespace=NAMESPACE)  # made by the replicas' reports
+    # Deleting the app (deployments/app.py: delete_app) ended its detached actors: each would
+    # otherwise idle on, a Ray worker process apiece, for as long as the cluster runs.
+    for name in (store_name(APP), aggregator_name(APP)):
+        with pytest.raises(ValueError):
+            ray.get_actor(name, namespace=NAMESPACE)
 
 
 @pytest.fixture(scope="module")

@@ -179,14 +179,17 @@ def test_a_pool_replica_does_not_import_the_model_its_engine_core_process_runs()
 
 def test_the_gateway_process_imports_no_model_code():
     """The gateway replica runs no model: importing its ingress loads nothing of models/ or parallel/,
-    and of engine/ only the light modules the protocol shares (errors, sampling parameters)."""
+    of engine/ only the light modules the protocol shares (errors, sampling and grammar parameters),
+    and no torch, xgrammar or transformers (half of a gateway replica's start-up CPU, and its
+    memory; grammars are checked in its bounded worker, which imports them)."""
     probe = (
         "import sys, raylane.deployments.gateway.ingress; "
         "print(sorted(m for m in sys.modules if m.startswith(('raylane.models', 'raylane.parallel', "
         "'raylane.engine.')) and m.split('.')[2] not in "
-        "('errors', 'sampling_params', 'structured_output')))"
+        "('errors', 'sampling_params', 'structured_params')), "
+        "[m for m in ('torch', 'xgrammar', 'transformers') if m in sys.modules])"
     )
-    assert in_fresh_interpreter(probe) == "[]"
+    assert in_fresh_interpreter(probe) == "[] []"
 
 
 def test_the_engines_errors_and_sampling_params_import_alone():

@@ -9,11 +9,8 @@ import jsonschema
 import pytest
 import torch
 
-from raylane.engine.structured_output import (
-    GrammarMatcherState,
-    StructuredOutputManager,
-    StructuredOutputParams,
-)
+from raylane.engine.structured_output import GrammarMatcherState, StructuredOutputManager
+from raylane.engine.structured_params import StructuredOutputParams
 from tests.tokenizers_for_tests import make_tokenizer
 
 PAD = 24  # the model's logits are wider than the tokenizer: padded ids must never be allowed
@@ -307,7 +304,7 @@ def test_bounded_compile_refuses_a_catastrophic_schema_then_serves_the_next(mana
 
 
 def test_grammar_text_size_is_bounded():
-    from raylane.engine.structured_output import MAX_GRAMMAR_CHARS
+    from raylane.engine.structured_params import MAX_GRAMMAR_CHARS
 
     with pytest.raises(ValueError, match=r"structured\.regex: too large"):
         StructuredOutputParams(regex="a" * (MAX_GRAMMAR_CHARS + 1))
