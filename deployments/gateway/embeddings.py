@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from raylane.config import EmbeddingsConfig
+from raylane.deployments.gateway.routing import torch_on_one_thread
 from raylane.deployments.protocol.errors import invalid, model_not_found
 from raylane.deployments.protocol.openai_schemas import Embedding, EmbeddingRequest, EmbeddingResponse, Usage
 
@@ -91,9 +92,7 @@ def _embedder() -> ThreadPoolExecutor:
     passing through this gateway need first."""
     global _executor
     if _executor is None:
-        _executor = ThreadPoolExecutor(
-            1, thread_name_prefix="raylane-embeddings", initializer=_lower_priority
-        )
+        _executor = ThreadPoolExecutor(1, thread_name_prefix="raylane-embeddings", initializer=_start_thread)
     return _executor
 
 
@@ -109,8 +108,10 @@ def _embed(texts: list[str], trim: bool) -> tuple[np.ndarray, list[int]]:
     return result
 
 
-def _lower_priority() -> None:
-    """Nice this thread (on Linux a thread is a task of its own) by `EMBEDDINGS_NICE`."""
+def _start_thread() -> None:
+    """Nice this thread (on Linux a thread is a task of its own) by `EMBEDDINGS_NICE`; torch on one
+    thread, as for the classifier."""
+    torch_on_one_thread()
     with contextlib.suppress(AttributeError, OSError):
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + EMBEDDINGS_NICE)

@@ -190,9 +190,6 @@ class Gateway:
         names = {p.name for p in self.config.pools}
         self.pools = {n: h.options(_by_reference=not grpc) for n, h in pools.items() if n in names}
         self.created = int(time.time())
-        import torch
-
-        torch.set_num_threads(1)  # the classifier's short inputs: a second thread spin-waits on shared cores
         return_large_buffers()
         context = serve.get_replica_context()
         self.lora = LoRAAdapters(context.app_name, self.config, self._adapters_changed)

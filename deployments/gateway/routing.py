@@ -23,7 +23,7 @@ import math
 
 from raylane.config import ClusterConfig, RouteConfig, RouterConfig, TierConfig
 from raylane.router import PoolSpec, Router
-from raylane.router.classifier import SemanticClassifier
+from raylane.router.classifier import RouteDecision, SemanticClassifier
 from raylane.router.errors import UnknownModelError
 from raylane.router.resolve import DIRECT_ROUTE
 
@@ -39,6 +39,28 @@ class _NoRoutes:
             "naming this cluster's pools.",
             param="model",
         )
+
+
+class _OneRoute:
+    """Stands in for the classifier when there is one route: `auto` has nothing to choose, so the
+    gateway loads no sentence encoder (MiniLM on torch: most of a gateway replica's start-up CPU, and
+    some 300 MB). Its decisions say `only`."""
+
+    def __init__(self, routes: RouterConfig) -> None:
+        (route,) = routes.routes
+        self.decision = RouteDecision(route.name, route.pool, 1.0, "only", {route.name: 1.0})
+
+    def classify(self, messages: list[dict]) -> RouteDecision:
+        return self.decision
+
+
+def torch_on_one_thread() -> None:
+    """The gateway's torch work (the classifier, /v1/embeddings) is short inputs: a second thread
+    would spin-wait on shared cores. Called where that work is first set up, so a gateway that has
+    none never imports torch."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def pool_specs(config: ClusterConfig, adapters: dict[str, dict[str, str]] | None = None) -> list[PoolSpec]:
@@ -105,7 +127,10 @@ def _classifier(routes: RouterConfig, current: Router | None = None):
     reusing `current`'s sentence encoder when only the routes changed."""
     if routes.routes[0].name == DIRECT_ROUTE:
         return _NoRoutes()
-    if current is None or isinstance(current.classifier, _NoRoutes):
+    if len(routes.routes) == 1:
+        return _OneRoute(routes)
+    torch_on_one_thread()
+    if current is None or not isinstance(current.classifier, SemanticClassifier):
         return SemanticClassifier(routes)
     if current.config == routes:
         return current.classifier

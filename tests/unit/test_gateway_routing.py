@@ -105,3 +105,22 @@ def test_adapters_loaded_at_run_time_join_the_configs_and_name_their_directory_p
         with pytest.raises(OpenAIError, match=says) as raised:
             lora.target(pool_name, name)
         assert raised.value.param == "pool"
+
+
+def test_with_one_route_auto_goes_there_without_loading_a_classifier():
+    """`auto` has nothing to choose among one route: it goes there (`x-raylane-decision: only`), and
+    the gateway loads no sentence encoder, nor torch (most of a gateway replica's start-up CPU)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; from raylane.config import ClusterConfig; "
+        "from raylane.deployments.gateway.routing import build_router; "
+        "pools = [{'name': 'coding', 'model': 'demo:raylane-llama-tiny', 'engine': {'max_model_len': 128}}]; "
+        "router = build_router(ClusterConfig.from_dict({'pools': pools})); "
+        "d = router.resolve('auto', [{'role': 'user', 'content': 'Write a Python function.'}]).decision; "
+        "print(d.route, d.pool, d.method, 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["coding", "coding", "only", "False"]
