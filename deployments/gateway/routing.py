@@ -43,8 +43,8 @@ class _NoRoutes:
 
 class _OneRoute:
     """Stands in for the classifier when there is one route: `auto` has nothing to choose, so the
-    gateway loads no sentence encoder (MiniLM on torch: most of a gateway replica's start-up CPU, and
-    some 300 MB). Its decisions say `only`."""
+    gateway loads no sentence encoder (MiniLM on torch: seconds of CPU at every replica start, and
+    the memory they hold). Its decisions say `only`."""
 
     def __init__(self, routes: RouterConfig) -> None:
         (route,) = routes.routes

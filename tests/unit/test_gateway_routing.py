@@ -109,7 +109,7 @@ def test_adapters_loaded_at_run_time_join_the_configs_and_name_their_directory_p
 
 def test_with_one_route_auto_goes_there_without_loading_a_classifier():
     """`auto` has nothing to choose among one route: it goes there (`x-raylane-decision: only`), and
-    the gateway loads no sentence encoder, nor torch (most of a gateway replica's start-up CPU)."""
+    the gateway loads no sentence encoder, nor torch (seconds of CPU at every gateway replica's start)."""
     import subprocess
     import sys
 

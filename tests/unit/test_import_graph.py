@@ -180,7 +180,7 @@ def test_a_pool_replica_does_not_import_the_model_its_engine_core_process_runs()
 def test_the_gateway_process_imports_no_model_code():
     """The gateway replica runs no model: importing its ingress loads nothing of models/ or parallel/,
     of engine/ only the light modules the protocol shares (errors, sampling and grammar parameters),
-    and no torch, xgrammar or transformers (half of a gateway replica's start-up CPU, and its
+    and no torch, xgrammar or transformers (seconds of CPU at every gateway replica's start, and its
     memory; grammars are checked in its bounded worker, which imports them)."""
     probe = (
         "import sys, raylane.deployments.gateway.ingress; "
