@@ -160,8 +160,7 @@ class LocalServe:
         from raylane.deployments.app import delete_app
 
         try:
-            for app in self.apps:
-                delete_app(app)
+            delete_app(*self.apps)
             if self._started_serve:
                 serve.shutdown()
         finally:

@@ -109,25 +109,26 @@ def test_bench_compare_two_urls_prints_ratios(api_server, capsys, tmp_path):
     assert point["ratios"]["req/s"] > 0 and len(point["ratios_per_repeat"]) == 2
 
 
-def test_bench_compare_starts_two_configs_and_deletes_them(api_server, client, demo_models, capsys, tmp_path):
+def test_bench_compare_starts_a_config_beside_a_url_and_deletes_it(
+    api_server, client, demo_models, capsys, tmp_path
+):
     from raylane.bench.serving import serving_config
 
     llama = str(demo_models[MODEL])
-    for name, caching in (("off", False), ("on", True)):
-        config = serving_config(llama, caching, max_num_seqs=4, num_kv_blocks=128, cpus_per_rank=0.5)
-        (tmp_path / f"{name}.yaml").write_text(config.to_yaml())
+    config = serving_config(llama, False, max_num_seqs=4, num_kv_blocks=128, cpus_per_rank=0.5)
+    (tmp_path / "off.yaml").write_text(config.to_yaml())
     code, out, err = bench(
         capsys,
         "compare",
         *("--config-a", str(tmp_path / "off.yaml"), "--label-a", "cache-off"),
-        *("--config-b", str(tmp_path / "on.yaml"), "--label-b", "cache-on"),
+        *("--base-url-b", api_server.base_url, "--model-b", MODEL, "--label-b", "session"),
         *("--dataset", "prefix", "--prefix-len", "64", "--prefix-output-len", "4", "--tokenizer", llama),
         *("--num-prompts", "3", "--concurrency", "1", "--repeats", "2", "--no-progress"),
     )
     assert code == 0, err
-    port = api_server.url.rsplit(":", 1)[1]  # the session's Serve: one HTTP listener, two new prefixes
+    port = api_server.url.rsplit(":", 1)[1]  # the session's Serve: one HTTP listener, a new prefix
     assert f"A = cache-off: chat @ http://127.0.0.1:{port}/a/v1" in out
-    assert f"B = cache-on: chat @ http://127.0.0.1:{port}/b/v1" in out
+    assert f"B = session: {MODEL} @ {api_server.base_url}" in out
     assert re.search(r"\| errors +\| +0 \| +0 \|", out), out
     assert bench_apps() == []
     # The session's own app was left alone.
@@ -217,6 +218,7 @@ def test_bench_report_writes_tables_and_rewrites_only_the_marked_sections(
         capsys,
         "report",
         *("--out", str(out_dir), "--quick", "--skip", "engine,affinity", "--num-prompts", "4"),
+        *("--concurrency", "1,4"),  # (the sweep's default ends at 16: 32 requests more, nothing more checked)
         *("--model", str(demo_models[MODEL]), "--update-docs", "--docs-root", str(docs)),
     )
     assert code == 0, err
@@ -240,7 +242,7 @@ def test_bench_report_writes_tables_and_rewrites_only_the_marked_sections(
     assert json.loads((docs / "bench" / "results" / "report.json").read_text()) == data
     assert "JSON: `bench/results/report.json`." in summary and "JSON: `bench/results/report.json`." in full
     points = data["parts"]["sweep"]["points"]
-    assert [p["concurrency"] for p in points] == [1, 4, 16]
+    assert [p["concurrency"] for p in points] == [1, 4]
     # No request was refused: the bench's own tier has no rate limit (the default one would 429).
     assert all(p["errors"] == 0 and p["completed"] == p["requests"] for p in points)
     assert Path(out_dir / "sweep.png").stat().st_size > 0 and (out_dir / "configs" / "main.yaml").is_file()

@@ -2,7 +2,9 @@
 
 A tensor-parallel engine holds a placement group and one actor per rank. A user who closes it (or
 drops it) and builds another in the same process must get the second one running, not a wait for
-resources that never come back; here every check is against the real Ray of the test session.
+resources that never come back: each way of ending an engine must remove its placement group and
+end its rank actors, and one test starts a second engine after it. Every check is against the real
+Ray of the test session.
 """
 
 import asyncio
@@ -62,12 +64,7 @@ def test_dropped_engine_releases_its_group_when_collected(ray_cluster, checkpoin
     del llm
     gc.collect()
     assert engine() is None
-    assert_released(ray, pg, workers)
-    second = LLM(checkpoint("llama"), **TP2)
-    try:
-        assert second.generate([PROMPT], PARAMS)[0].outputs[0].token_ids == expected
-    finally:
-        second.shutdown()
+    assert_released(ray, pg, workers)  # (what a second engine needs: the with-block test starts one)
 
 
 async def generate(engine: AsyncLLM) -> list[int]:
@@ -113,8 +110,3 @@ async def test_dropped_async_engine_stops_its_thread_and_releases_its_group(
     thread.join(timeout=30)
     assert not thread.is_alive()
     assert_released(ray, pg, workers)
-    second = AsyncLLM(model=checkpoint("llama"), **TP2)
-    try:
-        assert await generate(second) == expected
-    finally:
-        second.shutdown()
