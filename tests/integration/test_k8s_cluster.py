@@ -281,7 +281,7 @@ def test_raylane_serve_redeploys_in_place_while_streams_run(deployed, tmp_path):
     results: list[str] = []
     ended: list[float] = []
     probes: list[tuple[float, float, str]] = []  # (sent at, seconds, outcome): requests meanwhile
-    stopping: dict[str, float] = {}  # deployment -> when an old replica was first seen STOPPING
+    stopping: dict[str, float] = {}  # deployment -> when an old replica was first seen STOPPING or gone
     first_ids: dict[str, set[str]] = {}  # deployment -> its replicas when the watch began
     new_seen: dict[str, float] = {}  # deployment -> when a replica not among those was first seen
     redeployed = threading.Event()
@@ -319,7 +319,9 @@ def test_raylane_serve_redeploys_in_place_while_streams_run(deployed, tmp_path):
             for name, d in deployments.items():
                 replicas = d.get("replicas", [])
                 ids = first_ids.setdefault(name, {r["replica_id"] for r in replicas})
-                if any(r["state"] == "STOPPING" for r in replicas):
+                # An old replica with nothing in flight stops within a watch period: gone counts too.
+                serving = {r["replica_id"] for r in replicas if r["state"] != "STOPPING"}
+                if ids - serving:
                     stopping.setdefault(name, time.monotonic())
                 if any(r["replica_id"] not in ids for r in replicas):
                     new_seen.setdefault(name, time.monotonic())
