@@ -11,8 +11,8 @@ another (scheduled SCHED_IDLE: on a real network it would be another machine, an
 not the server's), steered by the test: each abuse class in turn, from a key of its own,
 ATTACK_RATE requests a second for ATTACK_S seconds whatever the answers; before every other class, a
 pause of the same length in which the victim's unloaded latency is sampled (so unloaded and loaded
-windows alternate, and the machine's drift over the run weighs on both alike). The report gives the CPU seconds
-Serve's proxy and each replica spent in every window (`server_cpu_s`): what a class costs the
+windows alternate, and the machine's drift over the run weighs on both alike). The report gives the
+CPU seconds Serve's proxy and each replica spent in every window (`server_cpu_s`): what a class costs the
 server, next to what it costs the victim; `rest` is what everything else on the machine took (the
 clients, Ray's own processes), `steal` what the VM's host gave to other guests.
 
