@@ -24,11 +24,20 @@ MEASURED_ON_A_QUIET_MACHINE = (
 
 # The unit tests use no Ray: run before it starts, they do not share the two cores with the session's
 # idle apps (Ray and Serve with one idle app of one pool took 0.16 of a core, sampled over a minute).
+# The modules that use the session's router app (four replicas) run last, so it does not idle beside
+# the other modules' tests.
 def pytest_collection_modifyitems(items):
+    def module(item) -> str:
+        return item.nodeid.split("::")[0]
+
+    router_modules = {module(item) for item in items if "router_server" in item.fixturenames}
+
     def order(item) -> int:
-        if item.nodeid.startswith("tests/unit/"):
+        if module(item).startswith("tests/unit/"):
             return 0
-        return 1 if item.nodeid.startswith(MEASURED_ON_A_QUIET_MACHINE) else 2
+        if module(item).startswith(MEASURED_ON_A_QUIET_MACHINE):
+            return 1
+        return 3 if module(item) in router_modules else 2
 
     items.sort(key=order)  # stable
 

@@ -224,8 +224,10 @@ def wait_healthy(url: str, timeout_s: float) -> None:
     apps.wait_healthy(url, time.monotonic() + timeout_s)
 
 
-def stop_processes_mentioning(marker: str, grace_s: float = 10.0) -> None:
-    """Kill the processes whose command line names `marker` (this cluster's temp dir)."""
+def stop_processes_mentioning(marker: str, grace_s: float = 3.0) -> None:
+    """Kill the processes whose command line names `marker` (this cluster's temp dir): SIGTERM, then
+    SIGKILL to what is left after `grace_s` (a test's throwaway cluster: nothing in it to save, and
+    some of its processes outlived 10 s of SIGTERM every time)."""
 
     def matching() -> list[int]:
         pids = []
