@@ -32,7 +32,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 
 SERVE_ENV = {
@@ -106,15 +106,27 @@ def haproxy_env() -> dict[str, str]:
         HAPROXY_ENV
         | files
         | {"RAY_SERVE_HAPROXY_SERVER_STATE_BASE": state}
-        | {name: str(free_port()) for name in HAPROXY_PORTS}
+        | {name: str(port) for name, port in zip(HAPROXY_PORTS, free_ports(len(HAPROXY_PORTS)), strict=True)}
     )
 
 
 def free_port() -> int:
     """A TCP port free on every interface (so on the loopback too)."""
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int, taken: Collection[int] = ()) -> list[int]:
+    """`count` different free ports, none in `taken` (picked earlier, not yet listened on): each is
+    held while the next is picked (a port just let go can be the kernel's next pick: a test's two
+    picks in a row once got the same port)."""
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        while len(ports) < count:
+            s = stack.enter_context(socket.socket())
+            s.bind(("0.0.0.0", 0))
+            if s.getsockname()[1] not in taken:
+                ports.append(s.getsockname()[1])
+        return ports
 
 
 def port_problem(host: str, port: int) -> str | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from raylane.bench import apps
-from raylane.cluster.serve_env import free_port  # noqa: F401  (the tests' import of it)
+from raylane.cluster.serve_env import free_port, free_ports  # noqa: F401  (the tests' import of them)
 
 
 @dataclass

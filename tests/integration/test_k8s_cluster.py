@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.live_servers import free_port, stop_processes_mentioning, wait_until
+from tests.live_servers import free_ports, stop_processes_mentioning, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "sk-k8s-test"
@@ -98,8 +98,9 @@ def cluster(demo_models):
     service = rendered_cpu_demo()
     groups = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     resources = {k: int(v) * g["replicas"] for g in groups for k, v in g["resources"].items()}
-    ports = {name: free_port() for name in ("gcs", "dashboard", "agent", "agent_grpc", "metrics", "client")}
-    http_port = free_port()
+    names = ("gcs", "dashboard", "agent", "agent_grpc", "metrics", "client", "http")
+    ports = dict(zip(names, free_ports(len(names)), strict=True))
+    http_port = ports.pop("http")
     temp_dir = tempfile.mkdtemp(prefix="rlk8s", dir="/tmp")  # short: Ray's socket paths have a limit
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     bin_dir = str(Path(sys.executable).parent)

@@ -25,7 +25,7 @@ import pytest
 
 from raylane.cluster.k8s import GATEWAY_RESOURCE, pool_resource
 from raylane.cluster.serve_env import SERVE_ENV
-from tests.live_servers import free_port, stop_processes_mentioning, wait_healthy, wait_until
+from tests.live_servers import free_ports, stop_processes_mentioning, wait_healthy, wait_until
 from tests.reliability.conftest import llama_pool
 
 pytestmark = pytest.mark.timeout(900)
@@ -39,7 +39,8 @@ STREAMS, TOKENS = 2, 480
 class TwoNodeCluster:
     def __init__(self, demo_models):
         self.temp_dir = tempfile.mkdtemp(prefix="rlnode", dir="/tmp")  # short: socket paths have a limit
-        self.port, self.http_port = free_port(), free_port()
+        # Every port the head and the app take, picked at once so no two are the same.
+        self.port, self.http_port, *self.head_ports = free_ports(6)
         self.env = (
             {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
             | SERVE_ENV
@@ -64,7 +65,7 @@ class TwoNodeCluster:
         return f"http://127.0.0.1:{self.http_port}"
 
     def start_head(self) -> None:
-        ports = [free_port() for _ in range(4)]
+        ports = self.head_ports
         command = [
             RAY, "start", "--head", "--disable-usage-stats", f"--port={self.port}",
             "--include-dashboard=false",
@@ -78,7 +79,7 @@ class TwoNodeCluster:
     def start_worker(self) -> None:
         """A worker node in its own process group, in the foreground (`--block`): killing the group
         takes the whole node down at once, as a lost machine would."""
-        ports = [free_port() for _ in range(3)]
+        ports = free_ports(3, taken={self.port, self.http_port, *self.head_ports})
         command = [
             RAY, "start", f"--address=127.0.0.1:{self.port}", "--block", "--num-cpus=2",
             f"--resources={json.dumps({pool_resource('primary'): 1})}",

@@ -222,11 +222,13 @@ def test_serve_refuses_haproxy_ingress_when_a_port_set_for_it_is_taken(tmp_path,
     from tests.live_servers import free_port
 
     pools = "pools: [{name: chat, model: demo:raylane-llama-tiny}]\n"
-    path = write(tmp_path, pools + f"http: {{port: {free_port()}, ingress: haproxy}}\n")
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))
         taken.listen()
         port = taken.getsockname()[1]
+        # The API port is picked while `taken` holds its port: picked before, the kernel could hand
+        # the just-freed port out again for `taken` (it did, once in a whole-suite run).
+        path = write(tmp_path, pools + f"http: {{port: {free_port()}, ingress: haproxy}}\n")
         monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", str(port))
         assert main(["serve", "--config", str(path)]) == 2
     err = capsys.readouterr().err
