@@ -22,8 +22,8 @@ MEASURED_ON_A_QUIET_MACHINE = (
 )
 
 
-# The unit tests use no Ray: run before it starts, they do not share the two cores with the session's
-# idle apps (Ray and Serve with one idle app of one pool took 0.16 of a core, sampled over a minute).
+# The unit tests use no Ray: run before it starts, they do not share the two cores with Ray, Serve and
+# the session's apps, which take CPU even idle (health checks, metric reports).
 # The modules that use the session's router app (four replicas) run last, so it does not idle beside
 # the other modules' tests.
 def pytest_collection_modifyitems(items):
