@@ -11,9 +11,10 @@ profiler. Each row sets the measured step beside two floors:
   / the float32 GEMM rate a large matmul reaches here.
 
 A step cannot be faster than the larger floor; the profile says what the rest is. Op classes add the
-profiler's self CPU time of each aten op by what it does (`OP_CLASSES`); `python and other` is the
-step's wall time less every op's: the interpreter between ops, the scheduler and sampling in Python,
-and waits.
+profiler's self CPU time of each aten op by what it does (`OP_CLASSES`); under `--modes compiled`,
+`compiled` is the time in inductor's fused kernels (a compiled graph's own time, less the aten ops it
+calls, such as the matmuls); `python and other` is the step's wall time less every op's: the
+interpreter between ops, the scheduler and sampling in Python, dynamo's guards, and waits.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from raylane.bench.common import machine_info, print_table, timed, write_json
 MODEL = "smollm2-135m-instruct"
 # aten op name fragment -> class; the first match wins (so `linear` ops are counted as matmul).
 OP_CLASSES = (
+    ("compiled", ("compiledfxgraph",)),  # inductor's fused kernels (the self time of a compiled graph's call)
     ("matmul", ("linear", "addmm", "mm", "matmul", "int4pack", "int8pack", "mkldnn", "onednn", "baddbmm")),
     ("attention", ("attention", "softmax", "bmm")),
     ("norm", ("rms_norm", "layer_norm", "rsqrt", "pow", "mean")),
@@ -46,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg("--streams", default="1,16", help="decode batch sizes, comma-separated")
     arg("--context", type=int, default=128, help="prompt tokens of each request")
     arg("--steps", type=int, default=30, help="decode steps timed (as many again are profiled)")
+    arg(
+        "--modes",
+        default="eager",
+        help="comma-separated: eager, and/or compiled (torch_compile: true, plus cpu_batch_weight_copy: "
+        "true for int8/int4)",
+    )
     arg("--threads", type=int, help="torch threads (default: torch's, one per core)")
     arg("--out", type=Path, help="folder to write decode_profile.json into")
 
@@ -92,8 +100,13 @@ def model_figures(llm) -> dict[str, float]:
     model = llm.engine.runner.model
 
     def held(module) -> dict[str, torch.Tensor]:
+        # A batch copy (`cpu_batch_weight_copy`) is read instead of the 4 or 8 bits, by batched steps
+        # only: the floor stays the quantized weights'.
         values = {**module._parameters, **module._buffers, **vars(module)}
-        return {k: v for k, v in values.items() if isinstance(v, torch.Tensor) and "cache" not in k}
+        skip = ("cache", "batch_weight")
+        return {
+            k: v for k, v in values.items() if isinstance(v, torch.Tensor) and not any(w in k for w in skip)
+        }
 
     tensors: dict[int, torch.Tensor] = {}
     skipped: set[int] = set()
@@ -164,7 +177,7 @@ def measure(llm, streams: int, args: argparse.Namespace, figures: dict, machine:
             engine.abort_request(request_id)
     classes = dict.fromkeys(CLASS_NAMES, 0.0)
     for event in prof.key_averages():
-        if event.key.startswith("aten::") or "::" in event.key:
+        if "::" in event.key or "CompiledFxGraph" in event.key:
             classes[op_class(event.key)] += event.self_cpu_time_total / 1e3 / args.steps
     ops_ms = sum(classes.values())
     context = args.context + args.steps  # mean over the timed steps, near enough
@@ -206,23 +219,42 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for quantization in args.quantization.split(","):
         q = None if quantization == "none" else quantization
-        with LLM(
-            path, quantization=q, max_num_seqs=max(streams), num_kv_blocks=1024, max_model_len=2048
-        ) as llm:
-            figures = model_figures(llm)
-            for n in streams:
-                row = measure(llm, n, args, figures, machine)
-                row |= {
-                    "weights": quantization if q else "float32",
-                    "weight_mib": figures["weight_bytes"] / 2**20,
-                }
-                rows.append(row)
-    headers = ["weights", "streams", "step ms", "tok/s", "bandwidth floor", "compute floor", *CLASS_NAMES]
+        for mode in args.modes.split(","):
+            compiled = mode == "compiled"
+            with LLM(
+                path,
+                quantization=q,
+                max_num_seqs=max(streams),
+                num_kv_blocks=1024,
+                max_model_len=2048,
+                torch_compile=compiled,
+                cpu_batch_weight_copy=compiled and q is not None,
+            ) as llm:
+                figures = model_figures(llm)
+                for n in streams:
+                    row = measure(llm, n, args, figures, machine)
+                    row |= {
+                        "weights": quantization if q else "float32",
+                        "mode": mode,
+                        "weight_mib": figures["weight_bytes"] / 2**20,
+                    }
+                    rows.append(row)
+    headers = [
+        "weights",
+        "mode",
+        "streams",
+        "step ms",
+        "tok/s",
+        "bandwidth floor",
+        "compute floor",
+        *CLASS_NAMES,
+    ]
     print_table(
         [*headers, "python and other"],
         [
             [
                 r["weights"],
+                r["mode"],
                 str(r["streams"]),
                 f"{r['step_ms']:.1f}",
                 f"{r['tokens_per_s']:.0f}",

@@ -61,6 +61,13 @@ class EngineConfig(StrictModel):
         "layout and multiply with oneDNN (faster than torch's default CPU matmul: `raylane bench linears`); "
         "false: torch's F.linear. No effect on GPU, nor on the layers int8 quantization takes.",
     )
+    cpu_batch_weight_copy: bool = Field(
+        False,
+        description="CPU with int8/int4: also keep every quantized linear's and the LM head's weight "
+        "dequantized and packed for oneDNN (bfloat16 on CPUs with AVX512-BF16, else float32) for calls of "
+        "2 rows or more (batched decode, prefill); single-stream decode keeps reading the 4 or 8 bits. "
+        "torch's int4/int8 kernels pay again for every few rows; this costs a dense model's memory more.",
+    )
     speculative_config: SpeculativeConfig | None = Field(
         None, description="Speculative decoding (ngram prompt lookup or a draft model); None: off."
     )
@@ -100,6 +107,13 @@ class EngineConfig(StrictModel):
         description="vLLM's switch: true runs every step eagerly; false replays pure-decode steps from CUDA "
         "graphs captured at start-up for batches of 1, 2, 4, ... up to max_num_seqs (CUDA with the "
         "flash_varlen attention backend only; never on CPU).",
+    )
+    torch_compile: bool = Field(
+        False,
+        description="CPU: pure-decode steps run the model's forward compiled by torch.compile (inductor's "
+        "fused C++ kernels instead of many small ops), compiled once at start-up (about a minute on two "
+        "cores the first time, seconds once inductor's on-disk cache has it); prefill stays eager. One "
+        "rank without adapters only; off with enforce_eager. bench/README.md, 'Compiled decode'.",
     )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
     enable_lora: bool = Field(

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from raylane.config import EngineConfig
+from raylane.engine.compiled_decode import CompiledDecode, is_pure_decode
 from raylane.engine.cuda_graph import DecodeGraphs, capture_sizes
 from raylane.engine.memory_profile import DraftReservation, KVCacheSplit, MemoryReport, kv_cache_split
 from raylane.models import load_model
@@ -72,6 +73,7 @@ class ModelRunner:
             device=self.device,
             quantization=config.quantization,
             cpu_weight_prepack=config.cpu_weight_prepack,
+            cpu_batch_weight_copy=config.cpu_batch_weight_copy,
         )
         self.lora: LoRABatch | None = None
         if config.enable_lora:
@@ -85,6 +87,7 @@ class ModelRunner:
         logger.info("attention backend: %s, KV blocks of %d tokens", self.attention_backend, self.block_size)
         self.graphs: DecodeGraphs | None = None  # captured after the KV cache is allocated
         self.graph_bytes = 0  # what the captured graphs hold on the GPU
+        self.compiled: CompiledDecode | None = None  # compiled after the KV cache is allocated
         self.kv_split: KVCacheSplit | None = None  # how the GPU's budget was shared out (CUDA only)
 
     def weight_bytes(self) -> int:
@@ -189,10 +192,11 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, log: bool = True, capture: bool = True) -> None:
         """`num_blocks` for the block manager, and one more: the scratch block (index num_blocks)
         that padded rows of a captured decode batch write to, which no request owns. On CUDA with
-        the flash_varlen backend and `enforce_eager` off, then captures the decode graphs."""
+        the flash_varlen backend and `enforce_eager` off, then captures the decode graphs; on CPU
+        with `torch_compile`, compiles the decode step (its warm-up rows live in the scratch block)."""
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
-        self.graphs = None
+        self.graphs = self.compiled = None
         shape = (self.num_blocks + 1, *self.model.kv_cache_shape_per_block(self.block_size))
         for layer in self.model.attention_layers():
             layer.bind_kv_cache(
@@ -214,6 +218,8 @@ class ModelRunner:
                 logger.warning(
                     "CUDA graphs: capture failed, decoding eagerly (enforce_eager: true): %s", error
                 )
+        if capture and self.compiles_decode:
+            self.compile_decode()
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -221,6 +227,36 @@ class ModelRunner:
         cuda_flash = self.device.type == "cuda" and self.attention_backend == "flash_varlen"
         # A step's adapter runs are Python the graphs cannot replay: with adapters, decode eagerly.
         return cuda_flash and not self.config.enforce_eager and not self.config.enable_lora
+
+    @property
+    def compiles_decode(self) -> bool:
+        """`torch_compile` applies: CPU, torch attention, one rank, no adapters, not enforce_eager."""
+        cpu_torch = self.device.type == "cpu" and self.attention_backend == "torch"
+        config = self.config
+        plain = config.world_size == 1 and not config.enable_lora and not config.enforce_eager
+        return config.torch_compile and cpu_torch and plain
+
+    @torch.inference_mode()
+    def compile_decode(self) -> None:
+        """Compile the pure-decode forward now (engine start-up), so no request waits for it; on a
+        failure (an op inductor cannot take), log it and decode eagerly."""
+        logger.info("torch.compile: compiling the decode step (once per process; inductor caches on disk)")
+        caches = [c for layer in self.model.attention_layers() for c in (layer.k_cache, layer.v_cache)]
+        compiled = CompiledDecode(
+            self.model,
+            caches,
+            self.block_size,
+            self.scratch_block,
+            self.model.sliding_window,
+            self.config.max_num_seqs,
+        )
+        try:
+            seconds = compiled.warm_up()
+        except Exception as error:  # noqa: BLE001 - any compile failure leaves eager decoding
+            logger.warning("torch.compile: the decode step did not compile, decoding eagerly: %s", error)
+            return
+        self.compiled = compiled
+        logger.info("torch.compile: decode step compiled in %.1f s", seconds)
 
     @torch.inference_mode()
     def capture_decode_graphs(self, capture: bool = True, sizes: list[int] | None = None) -> DecodeGraphs:
@@ -259,6 +295,9 @@ class ModelRunner:
         size = self.graphs.size_for(batch) if self.graphs is not None else None
         if size is not None:
             hidden = self.graphs.run(batch, size)
+            return self._logits(hidden, batch) if compute_logits else None
+        if self.compiled is not None and is_pure_decode(batch.query_lens):
+            hidden = self.compiled.run(batch)
             return self._logits(hidden, batch) if compute_logits else None
         meta = build_attention_metadata(
             batch.block_tables,

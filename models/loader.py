@@ -53,11 +53,13 @@ def load_model(
     device: str | torch.device = "cpu",
     quantization: str | None = None,
     cpu_weight_prepack: bool = False,
+    cpu_batch_weight_copy: bool = False,
 ) -> tuple[DecoderForCausalLM, PreTrainedConfig]:
     """Build the model for `model_dir/config.json` (or a `.gguf` file) on this rank and load its weights.
 
     `quantization` ("int8", "int4") quantizes the linear layers' weights once loaded and
-    `cpu_weight_prepack` packs the others for oneDNN on CPU: `process_weights_after_loading`.
+    `cpu_weight_prepack` packs the others for oneDNN on CPU: `process_weights_after_loading`;
+    `cpu_batch_weight_copy` keeps a oneDNN copy of the quantized ones for batched calls (CPU).
     Returns (model in eval mode without gradients, the transformers config).
     """
     model_dir = Path(checkpoint_dir(model_dir))
@@ -69,20 +71,26 @@ def load_model(
     with _default_dtype(dtype), torch.device(device):
         model = model_class(config)
     load_weights(model, tensors, model_dir)
-    prepack = cpu_weight_prepack and torch.device(device).type == "cpu"
-    process_weights_after_loading(model, quantization, prepack)
+    on_cpu = torch.device(device).type == "cpu"
+    process_weights_after_loading(
+        model, quantization, cpu_weight_prepack and on_cpu, cpu_batch_weight_copy and on_cpu
+    )
     return model.eval().requires_grad_(False), config
 
 
 def process_weights_after_loading(
-    model: nn.Module, quantization: str | None = None, cpu_weight_prepack: bool = False
+    model: nn.Module,
+    quantization: str | None = None,
+    cpu_weight_prepack: bool = False,
+    cpu_batch_weight_copy: bool = False,
 ) -> None:
     """Let every layer turn its loaded weight into the form it computes with (vLLM's hook):
     quantized under `quantization`, else packed for oneDNN under `cpu_weight_prepack` where oneDNN
     serves the model's dtype (a CPU model)."""
     dtype = next(model.parameters()).dtype
     prepack = cpu_weight_prepack and onednn.available(dtype)
-    processing = WeightProcessing.for_model(model, quantization, prepack)
+    batch_copy = cpu_batch_weight_copy and quantization is not None
+    processing = WeightProcessing.for_model(model, quantization, prepack, batch_copy)
     for module in list(model.modules()):
         if (hook := getattr(module, "process_weights_after_loading", None)) is not None:
             hook(processing)

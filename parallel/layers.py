@@ -24,7 +24,13 @@ from torch import nn
 
 from raylane.parallel import onednn
 from raylane.parallel.lazy_weight import LazyWeight, materialize
-from raylane.parallel.quantization import int4_fits, quantize_linear_, quantized_embedding, quantized_linear
+from raylane.parallel.quantization import (
+    add_batch_copy,
+    int4_fits,
+    quantize_linear_,
+    quantized_embedding,
+    quantized_linear,
+)
 from raylane.parallel.state import (
     get_tp_rank,
     get_tp_size,
@@ -346,6 +352,8 @@ def quantize_or_pack(layer: nn.Module, processing: WeightProcessing, method: str
         method = "int8"
     if method is not None:
         quantize_linear_(layer, processing.shared, method)
+        if pack and processing.batch_copy:
+            add_batch_copy(layer, processing.shared)
     elif pack and processing.prepack:
         layer.packed_weight = onednn.pack(layer.weight)
         if not processing.keeps_dense(layer.weight):  # a tied LM head leaves the embedding its table

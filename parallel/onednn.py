@@ -29,9 +29,23 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
+# A custom op, so torch.compile (engine/compiled_decode.py) calls oneDNN's kernel as it is: inductor's
+# own lowering of `_linear_pointwise` expects a weight it froze itself and fails on an opaque one.
+@torch.library.custom_op("raylane::onednn_linear", mutates_args=())
+def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], packed.shape[0])
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ weight.T (+ bias) with a weight from `pack`."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if torch.compiler.is_compiling():
+        return _linear(x, packed, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # eager: no custom-op wrapper
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -68,10 +82,11 @@ def available(dtype: torch.dtype) -> bool:
 
 
 def packed_bytes(model: nn.Module) -> int:
-    """Bytes of the packed weights (they are not parameters); a weight packed twice is counted twice."""
+    """Bytes of the packed weights and batch copies (they are not parameters); a weight packed twice is
+    counted twice."""
     total = 0
     for module in model.modules():
-        tensors = [getattr(module, "packed_weight", None)]
+        tensors = [getattr(module, "packed_weight", None), getattr(module, "batch_weight", None)]
         for experts in getattr(module, "packed_experts", None) or ():
             tensors += experts
         total += sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -23,7 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raylane.parallel import onednn
 from raylane.parallel.int4 import GROUP_SIZE, Int4Weight, int4_embedding, int4_linear, kernel_available
+
+# Rows of a call from which a layer with a batch copy multiplies by the copy (`add_batch_copy`).
+BATCH_COPY_MIN_ROWS = 5
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,8 +104,36 @@ def int4_fits(weight: torch.Tensor) -> bool:
     return in_features % GROUP_SIZE == 0 and (out_features % 16 == 0 or not kernel_available())
 
 
+def dequantized(layer: nn.Module) -> torch.Tensor:
+    """The float32 [out, in] weight a quantized layer multiplies by."""
+    if layer.quantization == "int4":
+        return layer.int4.dequantize(torch.float32)
+    return layer.qweight.float() * layer.weight_scale.float()[:, None]
+
+
+def add_batch_copy(layer: nn.Module, shared: dict) -> None:
+    """Keep beside a quantized layer's weight its dequantized values packed for oneDNN
+    (`cpu_batch_weight_copy`), bfloat16 where the CPU multiplies it natively (AVX512-BF16), else float32.
+
+    torch's int4 and int8 CPU kernels are made for one row: the int4 one dequantizes its weights again
+    for every 4 rows and the int8 one for every row, so a batched decode step of 16 rows costs 6x a
+    single row's (bench/README.md, "Compiled decode"). oneDNN's packed product reads the copy once for
+    all rows. Calls below `BATCH_COPY_MIN_ROWS` rows keep reading the 4 or 8 bits: the int4 kernel's
+    4-row blocks cost less than reading the copy up to 4 rows (`raylane bench decode-profile`).
+    `shared` keeps a tied weight's copy one."""
+    source = layer.int4 if layer.quantization == "int4" else layer.qweight
+    key = (id(source), "batch_copy")
+    if key not in shared:
+        dtype = torch.bfloat16 if onednn.available(torch.bfloat16) else torch.float32
+        shared[key] = onednn.pack(dequantized(layer).to(dtype))
+    layer.batch_weight = shared[key]
+
+
 def quantized_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """x @ W.T for a layer that `quantize_linear_` quantized."""
+    copy = getattr(layer, "batch_weight", None)
+    if copy is not None and x.numel() >= BATCH_COPY_MIN_ROWS * x.shape[-1]:
+        return onednn.linear(x.to(copy.dtype), copy).to(x.dtype)
     if layer.quantization == "int4":
         return int4_linear(x, layer.int4)
     return int8_linear(x, layer.qweight, layer.weight_scale)

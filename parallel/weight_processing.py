@@ -30,6 +30,8 @@ class WeightProcessing:
     quantization: str | None = None
     # Replace fp weights by oneDNN's packed layout (CPU, and only where `onednn.available(dtype)`).
     prepack: bool = False
+    # Keep a oneDNN-packed dense copy of every quantized weight a layer multiplies by, for batched calls.
+    batch_copy: bool = False
     # ids of parameters that more than one module holds (a tied embedding and LM head).
     tied: frozenset[int] = frozenset()
     # (id(weight), method) -> the quantized form, so a tied weight is quantized once.
@@ -44,13 +46,15 @@ class WeightProcessing:
             )
 
     @classmethod
-    def for_model(cls, model: nn.Module, quantization: str | None, prepack: bool) -> "WeightProcessing":
+    def for_model(
+        cls, model: nn.Module, quantization: str | None, prepack: bool, batch_copy: bool = False
+    ) -> "WeightProcessing":
         holders: dict[int, int] = {}
         for module in model.modules():
             for param in module.parameters(recurse=False):
                 holders[id(param)] = holders.get(id(param), 0) + 1
         tied = frozenset(pid for pid, count in holders.items() if count > 1)
-        return cls(quantization=quantization, prepack=prepack, tied=tied)
+        return cls(quantization=quantization, prepack=prepack, tied=tied, batch_copy=batch_copy)
 
     def vocab_method(self) -> str | None:
         """The quantization of the embedding and the LM head."""

@@ -1,0 +1,122 @@
+"""`torch_compile: true` (engine/compiled_decode.py) and `cpu_batch_weight_copy: true` on CPU.
+
+What a user would notice: compiled decode steps compute what eager ones do (teacher-forced decode
+logits over the same batches, against the eager runner, in float32 with oneDNN-packed weights and in
+int4 with the batch copy); no request waits for a compile (every graph a decode batch of 1 to 7 rows
+needs exists after start-up); a model inductor cannot take still serves, eagerly. Speed is
+`raylane bench decode-profile --compile`'s business, not a test's.
+"""
+
+import logging
+
+import pytest
+import torch
+
+from raylane.config import EngineConfig
+from raylane.engine import LLM, SamplingParams
+from raylane.engine.compiled_decode import CompiledDecode
+from raylane.engine.model_runner import ModelRunner
+from raylane.parallel.int4 import Int4Weight
+from raylane.parallel.quantization import (
+    BATCH_COPY_MIN_ROWS,
+    add_batch_copy,
+    quantize_linear_,
+    quantized_linear,
+)
+from tests.unit.test_quantization import decode_logits_of
+from tests.unit.test_quantization import llama_demo as llama_demo  # a fixture this module uses too
+
+BATCHES = (1, 3, BATCH_COPY_MIN_ROWS + 2)  # one row, the int4 kernel's rows, the batch copy's rows
+
+
+def runner(path: str, **settings) -> ModelRunner:
+    config = EngineConfig(model=path, num_kv_blocks=64, block_size=16, max_num_seqs=8, **settings)
+    made = ModelRunner(config)
+    made.allocate_kv_cache(64)
+    return made
+
+
+def sequences(count: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (int(n),), generator=g).tolist() for n in torch.randint(20, 100, (count,))]
+
+
+@pytest.mark.parametrize(
+    "settings, max_rel_error, min_agreement",
+    [
+        # float32, linears packed for oneDNN: inductor only reorders float sums.
+        ({}, 1e-4, 1.0),
+        # int4 (and the batch copy from BATCH_COPY_MIN_ROWS rows): activations enter the kernels in
+        # bfloat16, and a float32 value that inductor's fused loop rounds one ulp apart from eager can
+        # round to a neighbouring bfloat16 (0.4% apart), so the two differ at bfloat16's precision.
+        ({"quantization": "int4", "cpu_batch_weight_copy": True}, 0.01, 0.95),
+    ],
+    ids=["float32", "int4-batch-copy"],
+)
+def test_compiled_decode_steps_compute_what_eager_steps_do(
+    llama_demo, settings, max_rel_error, min_agreement
+):
+    eager = runner(llama_demo, **settings)
+    compiled = runner(llama_demo, torch_compile=True, **settings)
+    assert compiled.compiled is not None and eager.compiled is None
+    for rows in BATCHES:
+        seqs = sequences(rows, seed=rows)
+        ref, got = decode_logits_of(eager, seqs, 4), decode_logits_of(compiled, seqs, 4)
+        rel_error = float((got - ref).abs().mean() / ref.std())
+        agreement = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
+        print(f"{settings or 'float32'}, {rows} rows: |error| / std {rel_error:.2e}, top-1 {agreement}")
+        assert rel_error <= max_rel_error
+        assert agreement >= min_agreement
+
+
+def test_no_decode_batch_waits_for_a_compile(llama_demo, monkeypatch):
+    """After start-up every decode batch size up to max_num_seqs runs a graph compiled at start-up
+    (a compile takes seconds to a minute on CPU): with a recompile made an error instead of an eager
+    step, batches of 7 down to 1 rows all decode."""
+    monkeypatch.setattr(CompiledDecode, "SERVING_STANCE", "fail_on_recompile")
+    settings = dict(quantization="int4", cpu_batch_weight_copy=True)  # three graphs: 1, 2-4, 5+ rows
+    llm = LLM(llama_demo, num_kv_blocks=64, max_num_seqs=7, torch_compile=True, **settings)
+    assert llm.engine.runner.compiled is not None
+    # 7 prompts finishing one step apart: decode batches of 7, 6, ... 1 rows.
+    params = [SamplingParams(temperature=0, max_tokens=2 + i, ignore_eos=True) for i in range(7)]
+    outputs = llm.generate(sequences(7, seed=3), params)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [2 + i for i in range(7)]
+
+
+def test_a_model_that_does_not_compile_decodes_eagerly(llama_demo, monkeypatch, caplog):
+    def fail(self):
+        raise RuntimeError("inductor: no lowering for this op")
+
+    monkeypatch.setattr(CompiledDecode, "warm_up", fail)
+    with caplog.at_level(logging.WARNING, logger="raylane.engine.model_runner"):
+        llm = LLM(llama_demo, num_kv_blocks=64, torch_compile=True)
+    assert "did not compile, decoding eagerly: inductor: no lowering for this op" in caplog.text
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_enforce_eager_turns_torch_compile_off(llama_demo):
+    assert runner(llama_demo, torch_compile=True, enforce_eager=True).compiled is None
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_the_batch_copy_multiplies_from_its_row_threshold_and_adds_its_bytes(method):
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 128, generator=g)
+    plain, copied = torch.nn.Module(), torch.nn.Module()
+    for layer in (plain, copied):
+        layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+        quantize_linear_(layer, {}, method)
+    add_batch_copy(copied, {})
+    dense = Int4Weight(weight).dequantize() if method == "int4" else None
+    if dense is None:
+        dense = copied.qweight.float() * copied.weight_scale[:, None]
+    for rows in (1, BATCH_COPY_MIN_ROWS - 1):  # below the threshold: the quantized kernel, unchanged
+        x = torch.randn(rows, 128, generator=g)
+        assert torch.equal(quantized_linear(copied, x), quantized_linear(plain, x))
+    for rows in (BATCH_COPY_MIN_ROWS, 16):  # from it: the copy, the same weights in bfloat16
+        x = torch.randn(rows, 128, generator=g)
+        expected = x @ dense.t()
+        rel_error = float((quantized_linear(copied, x) - expected).abs().max() / expected.std())
+        assert rel_error <= 0.03
+    assert copied.batch_weight.shape == weight.shape
