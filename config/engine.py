@@ -65,8 +65,9 @@ class EngineConfig(StrictModel):
         False,
         description="CPU with int8/int4: also keep every quantized linear's and the LM head's weight "
         "dequantized and packed for oneDNN (bfloat16 on CPUs with AVX512-BF16, else float32) for calls of "
-        "2 rows or more (batched decode, prefill); single-stream decode keeps reading the 4 or 8 bits. "
-        "torch's int4/int8 kernels pay again for every few rows; this costs a dense model's memory more.",
+        "5 rows or more (batched decode, prefill); smaller calls keep reading the 4 or 8 bits. torch's "
+        "int4/int8 kernels pay again every 4 rows (int4) or every row (int8); this costs a dense model's "
+        "memory more. bench/README.md, 'Compiled decode'.",
     )
     speculative_config: SpeculativeConfig | None = Field(
         None, description="Speculative decoding (ngram prompt lookup or a draft model); None: off."

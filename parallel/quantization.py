@@ -116,8 +116,8 @@ def add_batch_copy(layer: nn.Module, shared: dict) -> None:
     (`cpu_batch_weight_copy`), bfloat16 where the CPU multiplies it natively (AVX512-BF16), else float32.
 
     torch's int4 and int8 CPU kernels are made for one row: the int4 one dequantizes its weights again
-    for every 4 rows and the int8 one for every row, so a batched decode step of 16 rows costs 6x a
-    single row's (bench/README.md, "Compiled decode"). oneDNN's packed product reads the copy once for
+    for every 4 rows and the int8 one for every row, so a batched decode step of 16 rows costs several
+    times a single row's (bench/README.md, "Compiled decode"). oneDNN's packed product reads the copy once for
     all rows. Calls below `BATCH_COPY_MIN_ROWS` rows keep reading the 4 or 8 bits: the int4 kernel's
     4-row blocks cost less than reading the copy up to 4 rows (`raylane bench decode-profile`).
     `shared` keeps a tied weight's copy one."""
