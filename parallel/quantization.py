@@ -24,7 +24,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from raylane.parallel import onednn
-from raylane.parallel.int4 import GROUP_SIZE, Int4Weight, int4_embedding, int4_linear, kernel_available
+from raylane.parallel.int4 import (
+    GROUP_SIZE,
+    Int4Weight,
+    dense_dtype,
+    int4_embedding,
+    int4_linear,
+    kernel_available,
+)
 
 # Rows of a call from which a layer with a batch copy multiplies by the copy (`add_batch_copy`).
 BATCH_COPY_MIN_ROWS = 5
@@ -124,7 +131,8 @@ def add_batch_copy(layer: nn.Module, shared: dict) -> None:
     source = layer.int4 if layer.quantization == "int4" else layer.qweight
     key = (id(source), "batch_copy")
     if key not in shared:
-        dtype = torch.bfloat16 if onednn.available(torch.bfloat16) else torch.float32
+        native_bf16 = dense_dtype(torch.float32) == torch.bfloat16 and onednn.available(torch.bfloat16)
+        dtype = torch.bfloat16 if native_bf16 else torch.float32
         shared[key] = onednn.pack(dequantized(layer).to(dtype))
     layer.batch_weight = shared[key]
 
