@@ -4,7 +4,7 @@ What a user would notice: compiled decode steps compute what eager ones do (teac
 logits over the same batches, against the eager runner, in float32 with oneDNN-packed weights and in
 int4 with the batch copy); no request waits for a compile (every graph a decode batch of 1 to 7 rows
 needs exists after start-up); a model inductor cannot take still serves, eagerly. Speed is
-`raylane bench decode-profile --compile`'s business, not a test's.
+`raylane bench decode-profile --modes eager,compiled`'s business, not a test's.
 """
 
 import logging
