@@ -62,6 +62,18 @@ def _has_int8pack_mm(device: torch.device, dtype: torch.dtype) -> bool:
 _PROBED: dict[tuple[str, torch.dtype], bool] = {}
 
 
+# A custom op under torch.compile (engine/compiled_decode.py), as oneDNN's linear is: inductor's lowering
+# of `_weight_int8pack_mm` fails on the CPU decode graph (`LoweringException: AssertionError: Pointwise`).
+@torch.library.custom_op("raylane::int8pack_mm", mutates_args=())
+def _int8pack_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch._weight_int8pack_mm(x, qweight, scale)
+
+
+@_int8pack_mm.register_fake
+def _(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ (qweight * scale[:, None]).T without a bias.
 
@@ -73,7 +85,8 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> 
     kernel_dtype = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
     # The CPU kernel crashes (bf16) on input widths that are not a multiple of its tile.
     if shape[-1] % 32 == 0 and _has_int8pack_mm(x.device, kernel_dtype):
-        y = torch._weight_int8pack_mm(x2.to(kernel_dtype).contiguous(), qweight, scale.to(kernel_dtype))
+        args = (x2.to(kernel_dtype).contiguous(), qweight, scale.to(kernel_dtype))
+        y = _int8pack_mm(*args) if torch.compiler.is_compiling() else torch._weight_int8pack_mm(*args)
         y = y.to(x.dtype)
     else:
         y = F.linear(x2, qweight.to(x.dtype) * scale[:, None].to(x.dtype))

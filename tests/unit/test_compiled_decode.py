@@ -42,31 +42,37 @@ def sequences(count: int, seed: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "settings, max_rel_error, min_agreement",
+    "settings, max_mean_error, max_error",
     [
         # float32, linears packed for oneDNN: inductor only reorders float sums.
-        ({}, 1e-4, 1.0),
-        # int4 (and the batch copy from BATCH_COPY_MIN_ROWS rows): activations enter the kernels in
-        # bfloat16, and a float32 value that inductor's fused loop rounds one ulp apart from eager can
-        # round to a neighbouring bfloat16 (0.4% apart), so the two differ at bfloat16's precision.
-        ({"quantization": "int4", "cpu_batch_weight_copy": True}, 0.01, 0.95),
+        ({}, 1e-5, 1e-4),
+        # int4 (and the batch copy from BATCH_COPY_MIN_ROWS rows) and int8: activations enter the kernels
+        # in bfloat16, and a float32 value that inductor's fused loop rounds one ulp apart from eager's
+        # can round to a neighbouring bfloat16 (0.4% apart): the logits differ at bfloat16's precision
+        # (measured over six runs: mean up to 6e-3 of their spread, any one logit up to 5.2e-2).
+        ({"quantization": "int4", "cpu_batch_weight_copy": True}, 0.02, 0.15),
+        ({"quantization": "int8"}, 0.02, 0.15),  # torch's int8 kernel as a custom op under compile
     ],
-    ids=["float32", "int4-batch-copy"],
+    ids=["float32", "int4-batch-copy", "int8"],
 )
-def test_compiled_decode_steps_compute_what_eager_steps_do(
-    llama_demo, settings, max_rel_error, min_agreement
-):
+def test_compiled_decode_steps_compute_what_eager_steps_do(llama_demo, settings, max_mean_error, max_error):
     eager = runner(llama_demo, **settings)
     compiled = runner(llama_demo, torch_compile=True, **settings)
     assert compiled.compiled is not None and eager.compiled is None
     for rows in BATCHES:
         seqs = sequences(rows, seed=rows)
         ref, got = decode_logits_of(eager, seqs, 4), decode_logits_of(compiled, seqs, 4)
-        rel_error = float((got - ref).abs().mean() / ref.std())
-        agreement = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
-        print(f"{settings or 'float32'}, {rows} rows: |error| / std {rel_error:.2e}, top-1 {agreement}")
-        assert rel_error <= max_rel_error
-        assert agreement >= min_agreement
+        error = (got - ref).abs() / ref.std()
+        print(
+            f"{settings or 'float32'}, {rows} rows: |error| / std {error.mean():.1e}, max {error.max():.1e}"
+        )
+        assert error.mean() <= max_mean_error and error.max() <= max_error
+        # The greedy token is the same wherever the error could not have flipped it: a differing top-1
+        # only where eager's leads its runner-up by less than twice that position's largest error
+        # (the random-weight model has near-ties).
+        top2 = ref.topk(2, dim=-1).values
+        within_error = (top2[:, 0] - top2[:, 1]) <= 2 * (got - ref).abs().amax(-1)
+        assert bool(((got.argmax(-1) == ref.argmax(-1)) | within_error).all())
 
 
 def test_no_decode_batch_waits_for_a_compile(llama_demo, monkeypatch):
