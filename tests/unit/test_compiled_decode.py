@@ -1,9 +1,10 @@
 """`torch_compile: true` (engine/compiled_decode.py) and `cpu_batch_weight_copy: true` on CPU.
 
 What a user would notice: compiled decode steps compute what eager ones do (teacher-forced decode
-logits over the same batches, against the eager runner, in float32 with oneDNN-packed weights and in
-int4 with the batch copy); no request waits for a compile (every graph a decode batch of 1 to 7 rows
-needs exists after start-up); a model inductor cannot take still serves, eagerly. Speed is
+logits over the same batches, against the eager runner, in float32 with oneDNN-packed weights, in
+int4 with the batch copy and in int8); no request waits for a compile (every graph a decode batch
+of 1 to 7 rows needs exists after start-up); a model inductor cannot take still serves, eagerly;
+the batch copy is used from its row threshold and its memory is counted. Speed is
 `raylane bench decode-profile --modes eager,compiled`'s business, not a test's.
 """
 
@@ -17,6 +18,7 @@ from raylane.engine import LLM, SamplingParams
 from raylane.engine.compiled_decode import CompiledDecode
 from raylane.engine.model_runner import ModelRunner
 from raylane.parallel.int4 import Int4Weight
+from raylane.parallel.onednn import packed_bytes
 from raylane.parallel.quantization import (
     BATCH_COPY_MIN_ROWS,
     add_batch_copy,
@@ -125,4 +127,4 @@ def test_the_batch_copy_multiplies_from_its_row_threshold_and_adds_its_bytes(met
         expected = x @ dense.t()
         rel_error = float((quantized_linear(copied, x) - expected).abs().max() / expected.std())
         assert rel_error <= 0.03
-    assert copied.batch_weight.shape == weight.shape
+    assert packed_bytes(copied) >= weight.numel() * 2 and packed_bytes(plain) == 0  # the copy's memory counts
