@@ -20,6 +20,7 @@ interpreter between ops, the scheduler and sampling in Python, dynamo's guards, 
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import statistics
 import time
@@ -33,7 +34,7 @@ MODEL = "smollm2-135m-instruct"
 OP_CLASSES = (
     ("compiled", ("compiledfxgraph",)),  # inductor's fused kernels (the self time of a compiled graph's call)
     ("matmul", ("linear", "addmm", "mm", "matmul", "int4pack", "int8pack", "mkldnn", "onednn", "baddbmm")),
-    ("attention", ("attention", "softmax", "bmm")),
+    ("attention", ("attention", "paged_decode", "softmax", "bmm")),
     ("norm", ("rms_norm", "layer_norm", "rsqrt", "pow", "mean")),
     ("gather/copy", ("index", "embedding", "gather", "copy_", "cat", "stack", "clone", "contiguous", "to")),
     ("elementwise", ("mul", "add", "sub", "div", "silu", "neg", "sigmoid", "exp", "where", "masked")),
@@ -53,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="eager",
         help="comma-separated: eager, and/or compiled (torch_compile: true, plus cpu_batch_weight_copy: "
         "true for int8/int4)",
+    )
+    arg(
+        "--attention",
+        default="auto",
+        help="comma-separated attention backends (engine.attention_backend): auto, torch, cpu_paged",
     )
     arg("--threads", type=int, help="torch threads (default: torch's, one per core)")
     arg("--out", type=Path, help="folder to write decode_profile.json into")
@@ -219,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for quantization in args.quantization.split(","):
         q = None if quantization == "none" else quantization
-        for mode in args.modes.split(","):
+        for mode, backend in itertools.product(args.modes.split(","), args.attention.split(",")):
             compiled = mode == "compiled"
             with LLM(
                 path,
@@ -229,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
                 max_model_len=2048,
                 torch_compile=compiled,
                 cpu_batch_weight_copy=compiled and q is not None,
+                attention_backend=backend,
             ) as llm:
                 figures = model_figures(llm)
                 for n in streams:
@@ -236,12 +243,14 @@ def run(args: argparse.Namespace) -> int:
                     row |= {
                         "weights": quantization if q else "float32",
                         "mode": mode,
+                        "attention": llm.engine.runner.attention_backend,
                         "weight_mib": figures["weight_bytes"] / 2**20,
                     }
                     rows.append(row)
     headers = [
         "weights",
         "mode",
+        "attention",
         "streams",
         "step ms",
         "tok/s",
@@ -255,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
             [
                 r["weights"],
                 r["mode"],
+                r.get("attention", "torch"),
                 str(r["streams"]),
                 f"{r['step_ms']:.1f}",
                 f"{r['tokens_per_s']:.0f}",

@@ -79,11 +79,14 @@ class EngineConfig(StrictModel):
         description="Tokens per KV cache block. Unset: each rank picks it on its device, 256 where the "
         "flash_varlen attention backend runs (its paged kernel needs pages of a multiple of 256), else 16.",
     )
-    attention_backend: Literal["auto", "torch", "flash_varlen"] = Field(
+    attention_backend: Literal["auto", "torch", "cpu_paged", "flash_varlen"] = Field(
         "auto",
         description="torch: gather each request's context (padded) and SDPA with a mask, on any device; "
+        "cpu_paged: decoding requests read their KV pages in place in a C++ kernel built on first use "
+        "(CPU, float32/bf16, a C++ compiler); "
         "flash_varlen: FlashAttention-2 reading the KV pages in place, one call per step (CUDA, sm80+, "
-        "fp16/bf16, block_size a multiple of 256, torch 2.13+). auto: flash_varlen where it can run.",
+        "fp16/bf16, block_size a multiple of 256, torch 2.13+). auto: flash_varlen where it can run, "
+        "cpu_paged on CPU where it builds, else torch.",
     )
     max_num_seqs: int = Field(64, ge=1, description="Most requests in one batch.")
     max_num_batched_tokens: int = Field(
@@ -206,6 +209,10 @@ class EngineConfig(StrictModel):
 
     @model_validator(mode="after")
     def _flash_varlen_pages(self) -> "EngineConfig":
+        if self.attention_backend == "cpu_paged" and self.device == "cuda":
+            raise ValueError(
+                "attention_backend: cpu_paged is a CPU kernel; use 'flash_varlen' or 'auto' on CUDA"
+            )
         if self.attention_backend != "flash_varlen":
             return self
         if self.device == "cpu":

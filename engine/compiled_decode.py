@@ -50,18 +50,21 @@ def is_pure_decode(query_lens: list[int]) -> bool:
 
 
 def mark_dynamic(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Make the batch's rows and the longest context symbolic in the traced graph."""
+    """Make the batch's rows and the longest context (slots or blocks) symbolic in the traced graph."""
     group = meta.groups[0]
-    rows = (input_ids, positions, meta.slot_mapping, group.query_dest, group.kv_slots, group.attn_mask)
+    per_row = (group.kv_slots, group.attn_mask, group.block_tables, group.context_lens)
+    rows = (input_ids, positions, meta.slot_mapping, group.query_dest, *(t for t in per_row if t is not None))
     if input_ids.shape[0] > 1:  # one row stays a size of 1: the graph of its own
         for tensor in rows:
             torch._dynamo.mark_dynamic(tensor, 0)
-    torch._dynamo.mark_dynamic(group.kv_slots, 1)
-    torch._dynamo.mark_dynamic(group.attn_mask, 3)
+    for tensor, dim in ((group.kv_slots, 1), (group.attn_mask, 3), (group.block_tables, 1)):
+        if tensor is not None:
+            torch._dynamo.mark_dynamic(tensor, dim)
 
 
 class CompiledDecode:
-    """The model's forward compiled for pure-decode batches on CPU with the torch attention backend.
+    """The model's forward compiled for pure-decode batches on CPU with the torch or cpu_paged
+    attention backend.
 
     `forward(input_ids, positions, meta)` is the model's forward (hidden states out), `kv_caches` the
     cache tensors its attention layers hold."""
@@ -76,17 +79,23 @@ class CompiledDecode:
         scratch_block: int,
         sliding_window: int | None,
         max_rows: int,
+        backend: str,
     ):
         self.compiled = torch.compile(forward, fullgraph=True)
         for cache in kv_caches:  # the number of KV blocks is the pool's setting: one compiled graph for any
             torch._dynamo.mark_dynamic(cache, 0)
         self.block_size, self.scratch_block, self.sliding_window = block_size, scratch_block, sliding_window
-        self.max_rows = max_rows
+        self.max_rows, self.backend = max_rows, backend
 
     def _forward(self, token_ids, positions, block_tables, context_lens) -> torch.Tensor:
         queries = [1] * len(token_ids)
         meta = build_attention_metadata(
-            block_tables, context_lens, queries, self.block_size, sliding_window=self.sliding_window
+            block_tables,
+            context_lens,
+            queries,
+            self.block_size,
+            sliding_window=self.sliding_window,
+            backend=self.backend,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long)
         position_ids = torch.tensor(positions, dtype=torch.long)
@@ -101,7 +110,9 @@ class CompiledDecode:
         each graph meets two contexts (its context length is symbolic from the first)."""
         started = time.perf_counter()
         for rows in warm_up_rows(self.max_rows):
-            for context in (2, 3):  # every row in the scratch block, which no request owns
+            # Two and three blocks of context (a size of 1 would stay concrete), every block the scratch
+            # block, which no request owns.
+            for context in (self.block_size + 2, 2 * self.block_size + 3):
                 table = [self.scratch_block] * -(-context // self.block_size)
                 self._forward([0] * rows, [context - 1] * rows, [table] * rows, [context] * rows)
         return time.perf_counter() - started

@@ -230,8 +230,9 @@ class ModelRunner:
 
     @property
     def compiles_decode(self) -> bool:
-        """`torch_compile` applies: CPU, torch attention, one rank, no adapters, not enforce_eager."""
-        cpu_torch = self.device.type == "cpu" and self.attention_backend == "torch"
+        """`torch_compile` applies: CPU, torch or cpu_paged attention, one rank, no adapters, not
+        enforce_eager."""
+        cpu_torch = self.device.type == "cpu" and self.attention_backend in ("torch", "cpu_paged")
         config = self.config
         plain = config.world_size == 1 and not config.enable_lora and not config.enforce_eager
         return config.torch_compile and cpu_torch and plain
@@ -249,6 +250,7 @@ class ModelRunner:
             self.scratch_block,
             self.model.sliding_window,
             self.config.max_num_seqs,
+            self.attention_backend,
         )
         try:
             seconds = compiled.warm_up()

@@ -4,12 +4,17 @@ The engine describes one step's batch with an `AttentionMetadata` (built once pe
 step, shared by every layer); each layer's `Attention` writes the new tokens' keys
 and values into its cache blocks and attends over the request's whole context.
 
-Two backends (`engine.attention_backend`), chosen once per engine:
+Three backends (`engine.attention_backend`), chosen once per engine:
 - torch: gather each group's context through the block table, padded to its longest, then
-  `scaled_dot_product_attention` with a mask. Runs anywhere; the CPU's path.
+  `scaled_dot_product_attention` with a mask. Runs anywhere.
+- cpu_paged (CPU): decoding requests attend in raylane's C++ kernel (parallel/csrc/paged_decode.cpp),
+  which walks each request's own blocks, one table lookup per block, with no gather or padding;
+  prefill chunks as in torch (a few per step, their causal masks what SDPA does well). The CPU's
+  default.
 - flash_varlen (CUDA): FlashAttention-2 reads the pages in place, every request of the step in one
   call with no padding (`models/paged_kernel.py`).
-The metadata says which: `groups` for torch, `paged` for flash_varlen.
+The metadata says which: `groups` for torch and cpu_paged (a cpu_paged decode group holds block
+tables instead of gathered slots and a mask), `paged` for flash_varlen.
 """
 
 from dataclasses import dataclass
@@ -19,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raylane.models.paged_kernel import PagedKernelArgs, build_paged_args, paged_varlen_attention
-from raylane.parallel import onednn
+from raylane.parallel import cpu_kernels, onednn
 
 
 @dataclass(slots=True)
@@ -30,13 +35,19 @@ class AttentionGroup:
     query_dest:   [n] row of each token in the padded query tensor of shape [B * max_query_len].
     kv_slots:     [B, max_kv_len] cache slots of each request's whole context (padded).
     attn_mask:    [B, 1, max_query_len, max_kv_len] True where a query may attend a key.
+    A cpu_paged decode group has no kv_slots or mask; the kernel reads the pages through
+    block_tables:  [B, max_blocks] each request's blocks (padded with block 0), int64;
+    context_lens:  [B] its tokens including the new one; sliding_window: its last tokens only, if set.
     """
 
     token_index: torch.Tensor | None
     query_dest: torch.Tensor
-    kv_slots: torch.Tensor
-    attn_mask: torch.Tensor
+    kv_slots: torch.Tensor | None
+    attn_mask: torch.Tensor | None
     max_query_len: int
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    sliding_window: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -69,11 +80,13 @@ def build_attention_metadata(
 ) -> AttentionMetadata:
     """Describe a batch where request i computes its last `query_lens[i]` tokens of
     `context_lens[i]` (cached prefix + new tokens), its KV in `block_tables[i]`, for the attention
-    `backend` (torch or flash_varlen)."""
+    `backend` (torch, cpu_paged or flash_varlen)."""
     if backend == "flash_varlen":
         slots = new_token_slots(block_tables, context_lens, query_lens, block_size)
         paged = build_paged_args(block_tables, context_lens, query_lens, device, sliding_window)
         return AttentionMetadata(slot_mapping=slots.to(device), groups=[], paged=paged)
+    if backend == "cpu_paged":
+        cpu_kernels.load()
     decodes = [i for i, n in enumerate(query_lens) if n == 1]
     members = ([decodes] if decodes else []) + [[i] for i, n in enumerate(query_lens) if n > 1]
     starts = [0]
@@ -82,7 +95,8 @@ def build_attention_metadata(
     slot_mapping = torch.empty(starts[-1], dtype=torch.long)
     groups = []
     for reqs in members:
-        group, slots = _build_group(
+        build = _paged_decode_group if backend == "cpu_paged" and reqs is decodes else _build_group
+        group, slots = build(
             [block_tables[i] for i in reqs],
             [context_lens[i] for i in reqs],
             [query_lens[i] for i in reqs],
@@ -92,8 +106,9 @@ def build_attention_metadata(
         index = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in reqs])
         slot_mapping[index] = slots
         group.token_index = None if len(members) == 1 else index.to(device)
-        group.query_dest, group.kv_slots = group.query_dest.to(device), group.kv_slots.to(device)
-        group.attn_mask = group.attn_mask.to(device)
+        for name in ("query_dest", "kv_slots", "attn_mask", "block_tables", "context_lens"):
+            if (tensor := getattr(group, name)) is not None:
+                setattr(group, name, tensor.to(device))
         groups.append(group)
     return AttentionMetadata(slot_mapping=slot_mapping.to(device), groups=groups)
 
@@ -111,6 +126,34 @@ def new_token_slots(
     return torch.tensor(slots, dtype=torch.long)
 
 
+def _padded_tables(block_tables: list[list[int]]) -> torch.Tensor:
+    """[B, max_blocks] block tables padded with block 0; released blocks (-1, outside the sliding
+    window) read block 0 too: the mask, or the kernel's window, never lets them through."""
+    width = max(len(t) for t in block_tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in block_tables]).clamp(min=0)
+
+
+def _paged_decode_group(
+    block_tables: list[list[int]],
+    context_lens: list[int],
+    query_lens: list[int],
+    block_size: int,
+    sliding_window: int | None,
+) -> tuple[AttentionGroup, torch.Tensor]:
+    """The cpu_paged backend's decode group: block tables in place of gathered slots and a mask."""
+    group = AttentionGroup(
+        token_index=None,
+        query_dest=torch.arange(len(context_lens)),
+        kv_slots=None,
+        attn_mask=None,
+        max_query_len=1,
+        block_tables=_padded_tables(block_tables),
+        context_lens=torch.tensor(context_lens),
+        sliding_window=sliding_window,
+    )
+    return group, new_token_slots(block_tables, context_lens, query_lens, block_size)
+
+
 def _build_group(
     block_tables: list[list[int]],
     context_lens: list[int],
@@ -125,9 +168,8 @@ def _build_group(
     qlen = torch.tensor(query_lens)
     kv_pos = torch.arange(max_kv)
     # Cache slot of every context position: block_tables[i][pos // bs] * bs + pos % bs.
-    width = max(len(t) for t in block_tables)
-    # Released blocks (-1, outside the sliding window) read block 0: the mask never lets them through.
-    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables]).clamp(min=0)
+    tables = _padded_tables(block_tables)
+    width = tables.shape[1]
     block_idx = (kv_pos // block_size).clamp(max=width - 1).expand(num_seqs, -1)
     kv_slots = tables.gather(1, block_idx) * block_size + kv_pos % block_size
     kv_slots = torch.where(kv_pos < ctx[:, None], kv_slots, 0)
@@ -165,16 +207,26 @@ def paged_attention(
     if meta.paged is not None:
         return paged_varlen_attention(q, k_cache, v_cache, meta.paged, scale)
     if len(meta.groups) == 1:
-        return _attend(q, flat_k, flat_v, meta.groups[0], scale)
+        return _attend(q, k_cache, v_cache, meta.groups[0], scale)
     out = torch.empty_like(q)
     for group in meta.groups:
-        out[group.token_index] = _attend(q[group.token_index], flat_k, flat_v, group, scale)
+        out[group.token_index] = _attend(q[group.token_index], k_cache, v_cache, group, scale)
     return out
 
 
-def _attend(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, group: AttentionGroup, scale: float):
+def _attend(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup, scale: float
+):
+    if group.block_tables is not None:  # cpu_paged: the kernel reads the pages in place
+        window = group.sliding_window or 0
+        tables, lens = group.block_tables, group.context_lens
+        return torch.ops.raylane_cpu.paged_decode(
+            q.contiguous(), k_cache, v_cache, tables, lens, scale, window
+        )
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = flat_k.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
     batch, max_q = group.num_seqs, group.max_query_len
     context = (batch, -1, num_kv_heads, head_dim)
     # index_select on the flat slots is several times faster than advanced indexing with a 2-D index.

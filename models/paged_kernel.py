@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from raylane.parallel import cpu_kernels
+
 logger = logging.getLogger(__name__)
 
 PAGE_MULTIPLE = 256  # FlashAttention-2's paged KV: page_block_size % 256 == 0
@@ -138,13 +140,22 @@ def select_attention_backend(
     kernel_available: bool | None = None,
     compute_capability: tuple[int, int] | None = None,
 ) -> str:
-    """`torch` or `flash_varlen` for `engine.attention_backend` (auto | torch | flash_varlen).
+    """`torch`, `cpu_paged` or `flash_varlen` for `engine.attention_backend` (auto or one of them).
 
     auto takes flash_varlen wherever it can run (CUDA, an sm80+ GPU, fp16/bf16, a head_dim it
-    supports, block_size a multiple of 256, a torch that has the paged kernel) and says why not
-    otherwise; flash_varlen where it cannot run is an error naming the setting to change.
-    `kernel_available` and `compute_capability` default to this machine's (tests pass their own)."""
+    supports, block_size a multiple of 256, a torch that has the paged kernel), cpu_paged on a CPU
+    (float32 or bfloat16, its C++ kernel built), and says why not otherwise; a backend requested
+    where it cannot run is an error naming the setting to change. `kernel_available` and
+    `compute_capability` default to this machine's (tests pass their own)."""
     if requested == "torch":
+        return "torch"
+    if requested == "cpu_paged" or (requested == "auto" and device.type == "cpu"):
+        why_not = _why_not_cpu_paged(device, dtype)
+        if why_not is None:
+            return "cpu_paged"
+        if requested == "cpu_paged":
+            raise ValueError(f"{why_not[0]}: attention_backend cpu_paged cannot run here: {why_not[1]}")
+        logger.warning("attention: the torch backend (padded gathers), not cpu_paged: %s", why_not[1])
         return "torch"
     why_not = _why_not_flash(device, dtype, head_dim, block_size, kernel_available, compute_capability)
     if why_not is None:
@@ -154,6 +165,16 @@ def select_attention_backend(
     if device.type == "cuda":
         logger.warning("attention: the torch backend (padded gathers), not flash_varlen: %s", why_not[1])
     return "torch"
+
+
+def _why_not_cpu_paged(device: torch.device, dtype: torch.dtype) -> tuple[str, str] | None:
+    """(the setting to change, why) when the CPU decode kernel cannot run, else None."""
+    if device.type != "cpu":
+        return "device", f"it is a CPU kernel and the engine runs on {device.type}"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return "dtype", f"it runs in float32 or bfloat16, not {dtype}"
+    why_not = cpu_kernels.why_not_available()
+    return None if why_not is None else ("attention_backend", why_not)
 
 
 DEFAULT_BLOCK_SIZE = 16  # the block size where flash_varlen does not run

@@ -208,10 +208,6 @@ def test_the_engine_on_the_flash_backend_generates_hugging_faces_tokens(windowed
 # -- which backend runs ---------------------------------------------------------------------------
 
 
-def test_auto_attends_with_torch_on_cpu():
-    assert select_attention_backend("auto", torch.device("cpu"), torch.float32, 128, 16) == "torch"
-
-
 def test_auto_takes_flash_varlen_on_a_gpu_that_runs_it(caplog):
     """A made-up GPU (sm90, the kernel present): no CUDA device here."""
     gpu = dict(kernel_available=True, compute_capability=(9, 0))
@@ -255,7 +251,7 @@ def test_an_unset_block_size_is_chosen_on_the_device():
     256 where flash_varlen runs (a made-up sm90 with the kernel), 16 elsewhere, a set size kept."""
     gpu = dict(kernel_available=True, compute_capability=(9, 0))
     assert resolve_attention("auto", CUDA, torch.bfloat16, 128, None, **gpu) == ("flash_varlen", 256)
-    assert resolve_attention("auto", torch.device("cpu"), torch.float32, 128, None) == ("torch", 16)
+    assert resolve_attention("auto", torch.device("cpu"), torch.float32, 128, None) == ("cpu_paged", 16)
     assert resolve_attention("torch", CUDA, torch.bfloat16, 128, None, **gpu) == ("torch", 16)
     assert resolve_attention("auto", CUDA, torch.float32, 128, None, **gpu) == ("torch", 16)
     older_torch = dict(kernel_available=False, compute_capability=(9, 0))

@@ -1,0 +1,95 @@
+"""raylane's own CPU kernels (`csrc/*.cpp`), compiled on first use on each machine.
+
+- `paged_decode.cpp`: decode attention reading the KV pages in place, the `cpu_paged` attention
+  backend (models/attention.py). The torch backend gathers every decoding request's context into a
+  tensor padded to the batch's longest and runs SDPA with a mask; at sixteen streams of mixed
+  lengths most of that is padding and copying.
+- `int4_gemv.cpp`: int4 (Q4_1) weight products for decode-sized calls (parallel/int4.py), the
+  activations quantized to int8 per 32 inputs and multiplied in int32 with VNNI (AVX-512 VNNI or
+  AVX-VNNI; AVX2's vpmaddubsw otherwise), as llama.cpp does; torch's CPU int4 kernel takes bfloat16
+  activations and was half as fast at one row.
+bench/README.md ("raylane's CPU kernels") has the measurements.
+
+All sources build into one library, once per machine: torch keeps the build in its extensions
+folder (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), about 15 s on two cores. It is
+compiled for the CPU it runs on (`-march=native`: AVX-512 where there is one, AVX2 otherwise), so the
+build's name carries this CPU's flags. Where it cannot be built (no C++ compiler or ninja) the callers
+keep torch's kernels and say why.
+"""
+
+import hashlib
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+# Reassociation lets the compiler vectorize the kernels' sums and the softmax's exp; they keep no
+# NaN/inf or signed-zero semantics beyond the -inf start of a running max.
+CFLAGS = [
+    "-O3",
+    "-march=native",
+    "-fopenmp-simd",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+]
+
+_lock = threading.Lock()
+_why_not: str | None = "not built yet"
+
+
+def _build_name() -> str:
+    """The build's name: the sources, the flags, torch's version and this CPU's extensions."""
+    try:
+        cpu = next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        cpu = ""
+    text = "\n".join([*(s.read_text() for s in SOURCES), " ".join(CFLAGS), torch.__version__, cpu])
+    return "raylane_cpu_" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def why_not_available() -> str | None:
+    """None once the kernels are loaded in this process (building them on first use), else why not."""
+    global _why_not
+    with _lock:
+        if _why_not == "not built yet":
+            try:
+                from torch.utils.cpp_extension import load
+
+                load(_build_name(), [str(s) for s in SOURCES], extra_cflags=CFLAGS, is_python_module=False)
+                _register_fakes()
+                _why_not = None
+            except Exception as error:  # noqa: BLE001 - no compiler, no ninja, a failed build: say so
+                _why_not = f"raylane's C++ kernels did not build: {error}"
+                logger.warning("%s", _why_not)
+        return _why_not
+
+
+def load() -> None:
+    """Load the kernels (built on first use), or raise saying why not. Called outside compiled graphs."""
+    if (why_not := why_not_available()) is not None:
+        raise RuntimeError(why_not)
+
+
+def int4_gemv_supported() -> bool:
+    """Whether this CPU runs the int4 kernel (x86 with AVX2, FMA and F16C) and it is loaded."""
+    return why_not_available() is None and torch.ops.raylane_cpu.int4_gemv_supported()
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile (engine/compiled_decode.py), which calls the kernels as they are."""
+
+    @torch.library.register_fake("raylane_cpu::paged_decode")
+    def _(q, k_cache, v_cache, block_tables, context_lens, scale, window):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("raylane_cpu::int4_gemv")
+    def _(x, codes, scale, minimum):
+        return x.new_empty(x.shape[0], codes.shape[0])

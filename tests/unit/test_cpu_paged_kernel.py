@@ -1,0 +1,156 @@
+"""The cpu_paged attention backend: decode attention on CPU reading the KV pages in place.
+
+Checked against the torch backend's padded gather + SDPA (which the model tests hold to Hugging Face)
+on caches whose blocks are shuffled, with grouped-query heads, head sizes the kernel specializes (64,
+128) and one it does not (32), a sliding window, bfloat16, and a request split over threads; then the
+whole engine on it against Hugging Face's greedy tokens, with a window releasing blocks.
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MistralConfig
+
+from raylane.engine import LLM, SamplingParams
+from raylane.engine.block_manager import NULL_BLOCK
+from raylane.models.attention import build_attention_metadata, paged_attention
+from raylane.models.paged_kernel import select_attention_backend
+from raylane.parallel import cpu_kernels
+from tests.hf_models import TINY_CONFIG
+
+BLOCK = 16
+
+
+def shuffled_batch(context_lens, heads, kv_heads, dim, dtype, seed=0):
+    """Caches with each request's blocks at random places, its new token's K/V, and queries."""
+    g = torch.Generator().manual_seed(seed)
+    needs = [-(-n // BLOCK) for n in context_lens]
+    order = (torch.randperm(sum(needs) + 3, generator=g) + 1).tolist()  # block 0 and spares left unused
+    tables, start = [], 0
+    for n in needs:
+        tables.append(order[start : start + n])
+        start += n
+    shape = (sum(needs) + 4, BLOCK, kv_heads, dim)
+    caches = [torch.randn(shape, generator=g).to(dtype) for _ in range(2)]
+    rows = len(context_lens)
+    q = torch.randn(rows, heads, dim, generator=g).to(dtype)
+    k, v = (torch.randn(rows, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    return tables, caches, q, k, v
+
+
+def attend(backend, tables, context_lens, query_lens, caches, q, k, v, window=None):
+    """One layer's attention for a step on `backend`, on its own copy of the caches."""
+    k_cache, v_cache = (c.clone() for c in caches)
+    meta = build_attention_metadata(
+        tables, context_lens, query_lens, BLOCK, sliding_window=window, backend=backend
+    )
+    return paged_attention(q, k, v, k_cache, v_cache, meta, scale=q.shape[-1] ** -0.5), meta
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim",
+    [(9, 3, 64), (8, 2, 128), (4, 4, 32)],  # SmolLM2's grouped heads; Llama-sized heads; a generic size
+)
+def test_decode_matches_the_padded_gather(heads, kv_heads, dim):
+    context_lens = [1, 17, 300, 64, 129, 5]  # within a block, across blocks, a block's edge
+    tables, caches, q, k, v = shuffled_batch(context_lens, heads, kv_heads, dim, torch.float32)
+    decodes = [1] * len(context_lens)
+    out, meta = attend("cpu_paged", tables, context_lens, decodes, caches, q, k, v)
+    assert meta.groups[0].kv_slots is None  # nothing gathered: the kernel read the pages
+    expected, _ = attend("torch", tables, context_lens, decodes, caches, q, k, v)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sliding_window_attends_its_last_tokens_only():
+    context_lens = [300, 41, 12]
+    tables, caches, q, k, v = shuffled_batch(context_lens, 9, 3, 64, torch.float32, seed=1)
+    whole, _ = attend("cpu_paged", tables, context_lens, [1, 1, 1], caches, q, k, v)
+    # The engine releases blocks that left the window (-1 in the table): the kernel must not read them.
+    tables[0][:15] = [-1] * 15  # tokens 0..239, all before 300 - 40
+    out, _ = attend("cpu_paged", tables, context_lens, [1, 1, 1], caches, q, k, v, window=40)
+    expected, _ = attend("torch", tables, context_lens, [1, 1, 1], caches, q, k, v, window=40)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out[0], whole[0])  # the window changed request 0's answer
+
+
+def test_bfloat16_caches():
+    context_lens = [200, 33, 7]
+    tables, caches, q, k, v = shuffled_batch(context_lens, 9, 3, 64, torch.bfloat16, seed=2)
+    out, _ = attend("cpu_paged", tables, context_lens, [1, 1, 1], caches, q, k, v)
+    as_float = [c.float() for c in caches]
+    expected, _ = attend("torch", tables, context_lens, [1, 1, 1], as_float, q.float(), k.float(), v.float())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=0, atol=2e-2)  # one bf16 rounding of the output
+
+
+def test_one_request_split_over_threads():
+    """Fewer requests than threads: each KV head's query heads run as work items of their own."""
+    context_lens = [257]
+    tables, caches, q, k, v = shuffled_batch(context_lens, 9, 3, 64, torch.float32, seed=3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out, _ = attend("cpu_paged", tables, context_lens, [1], caches, q, k, v)
+    finally:
+        torch.set_num_threads(threads)
+    expected, _ = attend("torch", tables, context_lens, [1], caches, q, k, v)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_mixed_step_keeps_prefill_chunks_on_the_gather_path():
+    context_lens, query_lens = [90, 30, 200], [1, 30, 1]  # a decode, a whole prompt, a decode
+    tables, caches, _, _, _ = shuffled_batch(context_lens, 9, 3, 64, torch.float32, seed=4)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(32, 9, 64, generator=g)
+    k, v = (torch.randn(32, 3, 64, generator=g) for _ in range(2))
+    out, meta = attend("cpu_paged", tables, context_lens, query_lens, caches, q, k, v)
+    assert [grp.block_tables is not None for grp in meta.groups] == [True, False]
+    expected, _ = attend("torch", tables, context_lens, query_lens, caches, q, k, v)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_takes_it_on_cpu_and_says_why_not(monkeypatch, caplog):
+    cpu = torch.device("cpu")
+    assert select_attention_backend("auto", cpu, torch.float32, 64, 16) == "cpu_paged"
+    assert select_attention_backend("auto", cpu, torch.bfloat16, 64, 16) == "cpu_paged"
+    assert select_attention_backend("torch", cpu, torch.float32, 64, 16) == "torch"
+    assert select_attention_backend("auto", cpu, torch.float16, 64, 16) == "torch"
+    with pytest.raises(ValueError, match=r"^dtype: attention_backend cpu_paged .*float16"):
+        select_attention_backend("cpu_paged", cpu, torch.float16, 64, 16)
+    with pytest.raises(ValueError, match=r"^device: attention_backend cpu_paged .*CPU kernel"):
+        select_attention_backend("cpu_paged", torch.device("cuda"), torch.float32, 64, 16)
+    # No compiler on the machine: auto keeps the torch backend and logs why; asked for, an error.
+    monkeypatch.setattr(
+        cpu_kernels, "why_not_available", lambda: "raylane's C++ kernels did not build: no c++"
+    )
+    assert select_attention_backend("auto", cpu, torch.float32, 64, 16) == "torch"
+    assert "did not build: no c++" in caplog.text
+    with pytest.raises(ValueError, match=r"^attention_backend: .*did not build"):
+        select_attention_backend("cpu_paged", cpu, torch.float32, 64, 16)
+
+
+def test_the_engine_on_it_generates_hugging_faces_tokens(tmp_path):
+    """Chunked prefills beside decodes, a 40-token window releasing a 300-token prompt's blocks."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(
+        MistralConfig(**TINY_CONFIG, sliding_window=40), dtype=torch.float32
+    )
+    hf.eval().save_pretrained(tmp_path)
+    hf.generation_config.eos_token_id = None
+    llm = LLM(
+        str(tmp_path), attention_backend="cpu_paged", max_num_batched_tokens=64, enable_prefix_caching=False
+    )
+    assert llm.engine.runner.attention_backend == "cpu_paged"
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (300, 37, 5)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine, finished, released = llm.engine, {}, False
+    ids = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+        released |= any(NULL_BLOCK in r.block_ids for r in engine.scheduler.running)
+    assert released
+    for rid, prompt in zip(ids, prompts, strict=True):
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert finished[rid] == expected[0, len(prompt) :].tolist()
