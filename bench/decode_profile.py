@@ -33,7 +33,10 @@ MODEL = "smollm2-135m-instruct"
 # aten op name fragment -> class; the first match wins (so `linear` ops are counted as matmul).
 OP_CLASSES = (
     ("compiled", ("compiledfxgraph",)),  # inductor's fused kernels (the self time of a compiled graph's call)
-    ("matmul", ("linear", "addmm", "mm", "matmul", "int4pack", "int8pack", "mkldnn", "onednn", "baddbmm")),
+    (
+        "matmul",
+        ("linear", "addmm", "mm", "matmul", "int4pack", "int8pack", "gemv", "mkldnn", "onednn", "baddbmm"),
+    ),
     ("attention", ("attention", "paged_decode", "softmax", "bmm")),
     ("norm", ("rms_norm", "layer_norm", "rsqrt", "pow", "mean")),
     ("gather/copy", ("index", "embedding", "gather", "copy_", "cat", "stack", "clone", "contiguous", "to")),
@@ -120,8 +123,8 @@ def model_figures(llm) -> dict[str, float]:
     for m in model.modules():
         own = held(m)
         tensors |= {id(t): t for t in own.values()}
-        if isinstance(m, Int4Weight) and m.packed is not None:
-            skipped |= {id(m.rows), id(m.scale), id(m.minimum)}
+        if isinstance(m, Int4Weight) and m.kernel is not None:  # decode reads the kernel's tensors only
+            skipped |= {id(m.scale), id(m.minimum)} | ({id(m.rows)} if m.kernel == "torch" else set())
         if type(m) is VocabParallelEmbedding:
             table |= {id(t) for t in own.values()}
     for m in model.modules():

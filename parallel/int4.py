@@ -6,24 +6,28 @@ Each group of 32 consecutive input features of one output row gets an asymmetric
 Q4_1 weight recovers its q, d and m (tests/unit/test_quantization.py checks it on the shipped GGUF):
 int4 of a Q4_1 file loses nothing the file had not already lost.
 
-The matmul is torch's CPU weight-only int4 kernel, `_weight_int4pack_mm_for_cpu` (gpt-fast's
-"tinygemm" layout): the weight packed once by `_convert_weight_to_int4pack_for_cpu`, and per group
-and output row a (scale, zero) pair with `w = (q - 8) * scale + zero`, so zero = minimum + 8 * scale.
-On x86 only its bfloat16 instantiation is vectorized (AVX2 and AVX-512); float32 activations take a
-scalar loop, so they go through the kernel in bfloat16, as the int8 path does.
-
-The kernel re-dequantizes a 64-column block of the weight for every 4 rows of activations, so its
-time grows linearly with the tokens of a call from 4 on: it is the fastest form at 1-4 tokens (it
-reads 4x fewer bytes than bf16 and 8x fewer than float32), and from `DENSE_MIN_TOKENS` tokens on
-(prefill chunks) a call is faster dequantizing the weight into a transient dense tensor and running
-an ordinary matmul. `raylane bench linears --int4` measures both per shape (bench/README.md, int4).
-That path reads a row-major copy of the 4-bit codes (`rows`, half a byte per weight, never read by
-decode), which the embedding also gathers its rows from.
+The codes are kept row-major, two per byte, in llama.cpp's order within a group (byte j of a group
+holds code j in its low nibble and code j + 16 in its high one): `rows`. Three ways to multiply:
+- raylane's kernel (parallel/csrc/int4_gemv.cpp, on x86 CPUs with AVX2, FMA and F16C) reads `rows`
+  as they are with float16 scale and minimum (Q4_1's own precision), the activations quantized to
+  int8 per group of 32 and multiplied in int32 with VNNI, as llama.cpp's Q4_1 x Q8_1 product does:
+  about twice as fast as torch's kernel at one row (bench/README.md, "raylane's CPU kernels");
+- elsewhere torch's CPU weight-only int4 kernel, `_weight_int4pack_mm_for_cpu` (gpt-fast's
+  "tinygemm" layout), on a second copy packed by `_convert_weight_to_int4pack_for_cpu` with a
+  (scale, zero) pair per group and output row, `w = (q - 8) * scale + zero`; on x86 only its
+  bfloat16 instantiation is vectorized, so activations go through it in bfloat16;
+- from `DENSE_MIN_TOKENS` tokens on (prefill chunks), dequantize into a transient dense tensor and
+  run an ordinary matmul: both kernels re-read the weight for every 4 rows of activations, so their
+  time grows linearly with the tokens of a call. `raylane bench linears --int4` measures the forms
+  per shape (bench/README.md, int4).
+The embedding gathers its rows from `rows` too.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from raylane.parallel import cpu_kernels
 
 GROUP_SIZE = 32
 # Tokens in a call from which dequantize-then-matmul beats the int4 kernel: between 64 and 256 for
@@ -57,22 +61,26 @@ def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Ten
 
 
 def pack_rows(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [out, in] -> two per byte [out, in / 2] (low nibble first), row-major."""
-    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+    """uint8 codes [out, in] -> two per byte [out, in / 2], row-major; within each group of 32, byte j
+    holds code j (low nibble) and code j + 16 (high nibble), the order raylane's kernel unpacks."""
+    c = codes.reshape(codes.shape[0], -1, 2, GROUP_SIZE // 2)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(codes.shape[0], -1)
 
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of `pack_rows`; works on any leading shape (the embedding gathers rows first)."""
-    return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
+    p = packed.reshape(*packed.shape[:-1], -1, GROUP_SIZE // 2)
+    return torch.stack((p & 15, p >> 4), dim=-2).reshape(*packed.shape[:-1], -1)
 
 
 class Int4Weight(nn.Module):
-    """One rank's int4 weight: the kernel's packed layout (what decode reads) and the row-major codes
-    (the dense path and the embedding), with float32 scale and minimum per group.
+    """One rank's int4 weight: the row-major codes with float32 scale and minimum per group (the
+    dense path and the embedding), and what the decode kernel reads: float16 copies of the scale and
+    minimum for raylane's kernel (`kernel == "raylane"`), else torch's packed layout (`"torch"`).
 
     A module of frozen parameters, so `model.parameters()` counts its bytes and a weight tied between
     the embedding and the LM head stays one object. `scales_and_zeros` is [in / group, out, 2] in
-    bfloat16, the kernel's dtype.
+    bfloat16, torch's kernel's dtype.
     """
 
     def __init__(self, weight: torch.Tensor, group_size: int = GROUP_SIZE):
@@ -83,13 +91,20 @@ class Int4Weight(nn.Module):
         self.out_features, self.in_features = codes.shape
         self.rows = _frozen(pack_rows(codes))
         self.scale, self.minimum = _frozen(scale), _frozen(minimum)
-        self.register_parameter("packed", None)
-        self.register_parameter("scales_and_zeros", None)
-        if kernel_available() and self.out_features % 16 == 0:  # the kernel tiles output rows by 16
+        for name in ("scale_f16", "minimum_f16", "packed", "scales_and_zeros"):
+            self.register_parameter(name, None)
+        if group_size == GROUP_SIZE and cpu_kernels.int4_gemv_supported():
+            self.scale_f16, self.minimum_f16 = _frozen(scale.half()), _frozen(minimum.half())
+        elif kernel_available() and self.out_features % 16 == 0:  # torch's kernel tiles output rows by 16
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
             self.packed = _frozen(packed)
             zero = minimum + 8 * scale
             self.scales_and_zeros = _frozen(torch.stack((scale.t(), zero.t()), dim=-1).to(torch.bfloat16))
+
+    @property
+    def kernel(self) -> str | None:
+        """Whose kernel multiplies decode-sized calls: raylane's, torch's, or None (dense only)."""
+        return "raylane" if self.scale_f16 is not None else "torch" if self.packed is not None else None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense [out, in] weight in `dtype`, computed in `dtype` in place (one allocation: at
@@ -138,7 +153,12 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight, dense_min_tokens: int | Non
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     threshold = DENSE_MIN_TOKENS if dense_min_tokens is None else dense_min_tokens
-    if weight.packed is not None and x.device.type == "cpu" and x2.shape[0] < threshold:
+    small = x.device.type == "cpu" and x2.shape[0] < threshold
+    if small and weight.scale_f16 is not None:
+        y = torch.ops.raylane_cpu.int4_gemv(
+            x2.float().contiguous(), weight.rows, weight.scale_f16, weight.minimum_f16
+        ).to(x.dtype)
+    elif small and weight.packed is not None:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2.to(torch.bfloat16).contiguous(), weight.packed, weight.group_size, weight.scales_and_zeros
         ).to(x.dtype)

@@ -130,18 +130,23 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   TORCH_CHECK(k % kGroup == 0 && codes.size(1) * 2 == k && scale.size(1) == groups, "shapes");
   auto out = at::empty({m_rows, n}, x.options());
 #ifdef RAYLANE_HAS_INT4_GEMV
-  // Quantize the activations once: int8 per 32 inputs, with each group's scale and exact sum.
+  // Quantize the activations once: int8 per 32 inputs, with each group's scale and sum.
   std::vector<int8_t> xq(m_rows * k);
   std::vector<float> xd(m_rows * groups), xs(m_rows * groups);
   const float* xp = x.data_ptr<float>();
   for (int64_t i = 0; i < m_rows * groups; ++i) {
     const float* src = xp + i * kGroup;
-    float amax = 0.f, sum = 0.f;
-    for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(src[j])), sum += src[j];
+    float amax = 0.f;
+    for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(src[j]));
     const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-    for (int64_t j = 0; j < kGroup; ++j) xq[i * kGroup + j] = static_cast<int8_t>(std::nearbyint(src[j] * inv));
+    int32_t sum = 0;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      const auto q = static_cast<int8_t>(std::nearbyint(src[j] * inv));
+      xq[i * kGroup + j] = q;
+      sum += q;
+    }
     xd[i] = d;
-    xs[i] = sum;
+    xs[i] = d * static_cast<float>(sum);
   }
   const auto* wc = codes.data_ptr<uint8_t>();
   const auto* ws = scale.data_ptr<c10::Half>();
