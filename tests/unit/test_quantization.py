@@ -18,7 +18,15 @@ from raylane.config import EngineConfig
 from raylane.engine import LLM, SamplingParams
 from raylane.engine.model_runner import ModelInput, ModelRunner
 from raylane.models.loader import process_weights_after_loading
-from raylane.parallel.int4 import Int4Weight, dequantize_int4, int4_linear, quantize_int4
+from raylane.parallel import cpu_kernels
+from raylane.parallel.int4 import (
+    Int4Weight,
+    dequantize_int4,
+    int4_linear,
+    pack_rows,
+    quantize_int4,
+    unpack_rows,
+)
 from raylane.parallel.layers import (
     ColumnParallelLinear,
     LinearBase,
@@ -201,6 +209,51 @@ def test_int4_kernel_and_dense_paths_agree():
     x = torch.randn(7, 96, generator=g)
     kernel, dense = int4_linear(x, int4, dense_min_tokens=8), int4_linear(x, int4, dense_min_tokens=1)
     torch.testing.assert_close(kernel, dense, atol=0.02 * dense.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])  # 9: the kernel's passes of 4 rows, and a remainder
+def test_raylanes_int4_kernel_multiplies_int8_activations_as_llama_cpp_does(rows):
+    """raylane's kernel quantizes each group of 32 activations to int8 (scale max|x| / 127) and
+    multiplies exactly: equal, to float32 rounding, to that product computed here in float64 from
+    the weight's codes and float16 scales. An outlier channel, as LLM activations have, makes the
+    quantization coarse for its groups."""
+    g = torch.Generator().manual_seed(6)
+    int4 = Int4Weight(torch.randn(80, 192, generator=g) * 0.05)
+    assert int4.kernel == "raylane" and int4.packed is None  # one copy of the codes
+    x = torch.randn(rows, 192, generator=g)
+    x[:, 7] *= 40
+    weight = dequantize_int4(
+        unpack_rows(int4.rows), int4.scale_f16.float(), int4.minimum_f16.float()
+    ).double()
+    groups = x.double().view(rows, -1, 32)
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    expected = (torch.round(groups / step) * step).view(rows, -1) @ weight.T
+    out = int4_linear(x, int4)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+    # and within int8 rounding of the product with float activations
+    exact = x.double() @ weight.T
+    assert (out.double() - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+def test_int4_codes_keep_llama_cpps_nibble_order():
+    """Byte j of a group of 32 holds code j in its low nibble and code j + 16 in its high one."""
+    codes = torch.randint(0, 16, (2, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    packed = pack_rows(codes)
+    assert packed.shape == (2, 32)
+    assert packed[1, 16 + 3] == codes[1, 32 + 3] | (codes[1, 32 + 19] << 4)
+    assert torch.equal(unpack_rows(packed), codes)
+
+
+def test_int4_takes_torchs_kernel_where_raylanes_cannot_run(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "int4_gemv_supported", lambda: False)
+    g = torch.Generator().manual_seed(8)
+    int4 = Int4Weight(torch.randn(64, 96, generator=g))
+    assert int4.kernel == "torch" and int4.scale_f16 is None
+    x = torch.randn(2, 96, generator=g)
+    expected = x @ int4.dequantize().T
+    torch.testing.assert_close(
+        int4_linear(x, int4), expected, atol=0.02 * expected.abs().max().item(), rtol=0
+    )
 
 
 @pytest.mark.parametrize("tp_size", [2, 3])
