@@ -4,10 +4,10 @@
   backend (models/attention.py). The torch backend gathers every decoding request's context into a
   tensor padded to the batch's longest and runs SDPA with a mask; at sixteen streams of mixed
   lengths most of that is padding and copying.
-- `int4_gemv.cpp`: int4 (Q4_1) weight products for decode-sized calls (parallel/int4.py), the
-  activations quantized to int8 per 32 inputs and multiplied in int32 with VNNI (AVX-512 VNNI or
-  AVX-VNNI; AVX2's vpmaddubsw otherwise), as llama.cpp does; torch's CPU int4 kernel takes bfloat16
-  activations and was half as fast at one row.
+- `quantized_gemv.cpp`: int4 (Q4_1) and int8 weight products for decode-sized calls
+  (parallel/int4.py, parallel/quantization.py), the activations quantized to int8 per 32 inputs and
+  multiplied in int32 with VNNI (AVX-512 VNNI or AVX-VNNI; AVX2's vpmaddubsw otherwise), as llama.cpp
+  does; torch's CPU int4 and int8 kernels take bfloat16 activations and multiply in float.
 bench/README.md ("raylane's CPU kernels") has the measurements.
 
 All sources build into one library, once per machine: torch keeps the build in its extensions
@@ -78,9 +78,17 @@ def load() -> None:
         raise RuntimeError(why_not)
 
 
-def int4_gemv_supported() -> bool:
-    """Whether this CPU runs the int4 kernel (x86 with AVX2, FMA and F16C) and it is loaded."""
-    return why_not_available() is None and torch.ops.raylane_cpu.int4_gemv_supported()
+_gemv: bool | None = None
+
+
+def quantized_gemv_supported() -> bool:
+    """Whether this CPU runs the quantized kernels (x86 with AVX2, FMA and F16C) and they are loaded.
+    Answered once (at weight quantization, before any compile): later calls only read a global, which
+    torch.compile traces as a constant."""
+    global _gemv
+    if _gemv is None:
+        _gemv = why_not_available() is None and bool(torch.ops.raylane_cpu.quantized_gemv_supported())
+    return _gemv
 
 
 def _register_fakes() -> None:
@@ -93,3 +101,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("raylane_cpu::int4_gemv")
     def _(x, codes, scale, minimum):
         return x.new_empty(x.shape[0], codes.shape[0])
+
+    @torch.library.register_fake("raylane_cpu::int8_gemv")
+    def _(x, weight, scale):
+        return x.new_empty(x.shape[0], weight.shape[0])

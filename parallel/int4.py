@@ -8,7 +8,7 @@ int4 of a Q4_1 file loses nothing the file had not already lost.
 
 The codes are kept row-major, two per byte, in llama.cpp's order within a group (byte j of a group
 holds code j in its low nibble and code j + 16 in its high one): `rows`. Three ways to multiply:
-- raylane's kernel (parallel/csrc/int4_gemv.cpp, on x86 CPUs with AVX2, FMA and F16C) reads `rows`
+- raylane's kernel (parallel/csrc/quantized_gemv.cpp, on x86 CPUs with AVX2, FMA and F16C) reads `rows`
   as they are with float16 scale and minimum (Q4_1's own precision), the activations quantized to
   int8 per group of 32 and multiplied in int32 with VNNI, as llama.cpp's Q4_1 x Q8_1 product does:
   about twice as fast as torch's kernel at one row (bench/README.md, "raylane's CPU kernels");
@@ -93,7 +93,7 @@ class Int4Weight(nn.Module):
         self.scale, self.minimum = _frozen(scale), _frozen(minimum)
         for name in ("scale_f16", "minimum_f16", "packed", "scales_and_zeros"):
             self.register_parameter(name, None)
-        if group_size == GROUP_SIZE and cpu_kernels.int4_gemv_supported():
+        if group_size == GROUP_SIZE and cpu_kernels.quantized_gemv_supported():
             self.scale_f16, self.minimum_f16 = _frozen(scale.half()), _frozen(minimum.half())
         elif kernel_available() and self.out_features % 16 == 0:  # torch's kernel tiles output rows by 16
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)

@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raylane.parallel import onednn
+from raylane.parallel import cpu_kernels, onednn
 from raylane.parallel.int4 import (
+    DENSE_MIN_TOKENS,
     GROUP_SIZE,
     Int4Weight,
     dense_dtype,
@@ -77,14 +78,21 @@ def _(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tens
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ (qweight * scale[:, None]).T without a bias.
 
-    float32 activations go through the kernel in bfloat16: torch's float32 int8 kernel is a scalar
-    loop (several times slower than an fp32 matmul on CPU), its bf16 one is vectorized.
+    Calls of fewer than `DENSE_MIN_TOKENS` rows on a CPU that runs raylane's kernel
+    (parallel/csrc/quantized_gemv.cpp) go through it: int8 activations per 32 inputs, VNNI products,
+    the weight read once per 4 rows. Otherwise torch's kernel, float32 activations in bfloat16:
+    torch's float32 int8 kernel is a scalar loop (several times slower than an fp32 matmul on CPU),
+    its bf16 one is vectorized.
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     kernel_dtype = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
+    small = x.device.type == "cpu" and x2.shape[0] < DENSE_MIN_TOKENS and shape[-1] % GROUP_SIZE == 0
+    if small and cpu_kernels.quantized_gemv_supported():
+        y = torch.ops.raylane_cpu.int8_gemv(x2.float().contiguous(), qweight, scale.float())
+        y = y.to(x.dtype)
     # The CPU kernel crashes (bf16) on input widths that are not a multiple of its tile.
-    if shape[-1] % 32 == 0 and _has_int8pack_mm(x.device, kernel_dtype):
+    elif shape[-1] % 32 == 0 and _has_int8pack_mm(x.device, kernel_dtype):
         args = (x2.to(kernel_dtype).contiguous(), qweight, scale.to(kernel_dtype))
         y = _int8pack_mm(*args) if torch.compiler.is_compiling() else torch._weight_int8pack_mm(*args)
         y = y.to(x.dtype)
@@ -100,6 +108,7 @@ def quantize_linear_(layer: nn.Module, shared: dict | None = None, method: str =
     and LM head) stays one tensor."""
     shared = {} if shared is None else shared
     weight = layer.weight
+    cpu_kernels.quantized_gemv_supported()  # answered now, before any compiled graph asks
     key = (id(weight), method)
     if key not in shared:
         if method == "int4":

@@ -118,6 +118,28 @@ def test_int8_linear_matches_dequantized_weight(dtype, width):
     torch.testing.assert_close(expected, x @ weight.T, atol=0.02 * expected.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("rows", [1, 6, 130])  # 130: past DENSE_MIN_TOKENS, torch's kernel
+def test_raylanes_int8_kernel_multiplies_int8_activations(rows):
+    """Decode-sized calls quantize each group of 32 activations to int8 and multiply exactly (checked
+    against that product in float64, with an outlier channel); a prefill-sized call keeps torch's."""
+    g = torch.Generator().manual_seed(9)
+    weight, x = torch.randn(72, 160, generator=g), torch.randn(rows, 160, generator=g)
+    x[:, 3] *= 40
+    qweight, scale = quantize_int8(weight)
+    dense = qweight.double() * scale.double()[:, None]
+    groups = x.double().view(rows, -1, 32)
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    int8_activations = (torch.round(groups / step) * step).view(rows, -1) @ dense.T
+    out = int8_linear(x, qweight, scale).double()
+    exact = x.double() @ dense.T
+    atol = 1e-5 * exact.abs().max().item()
+    if rows < 128:
+        torch.testing.assert_close(out, int8_activations, atol=atol, rtol=0)
+    else:
+        assert not torch.allclose(out, int8_activations, atol=atol, rtol=0)  # bfloat16 activations
+    assert (out - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
 def decode_logits(path: str, seqs: list[list[int]], steps: int, **settings) -> torch.Tensor:
     """Prefill all but the last `steps` tokens of each sequence, then feed those one at a time with
     every sequence in one decode batch (the path decode steps take); the decode steps' logits."""
@@ -245,7 +267,7 @@ def test_int4_codes_keep_llama_cpps_nibble_order():
 
 
 def test_int4_takes_torchs_kernel_where_raylanes_cannot_run(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "int4_gemv_supported", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "quantized_gemv_supported", lambda: False)
     g = torch.Generator().manual_seed(8)
     int4 = Int4Weight(torch.randn(64, 96, generator=g))
     assert int4.kernel == "torch" and int4.scale_f16 is None

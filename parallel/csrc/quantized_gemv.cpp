@@ -1,0 +1,255 @@
+// Weight-only int4 and int8 products for decode-sized calls on x86 CPUs: the activations quantized
+// to int8 per 32 inputs, products summed in int32 by AVX-512 VNNI / AVX-VNNI (vpdpbusd) or AVX2's
+// vpmaddubsw, as llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 dot products do (parallel/int4.py,
+// parallel/quantization.py).
+//
+// int8 weights: [N, K] with one scale per output row (absmax / 127, so -127..127); a group's product
+// x_scale * sum(w * x_q) is summed as |w| * (x_q with w's sign), vpdpbusd's unsigned x signed form.
+//
+// int4 weight layout, per output row: for each group of 32 inputs 16 bytes, byte j holding code j in its
+// low nibble and code j + 16 in its high nibble; float16 scale and minimum per group, so that
+// w = code * scale + minimum. A group's product is
+//   scale * x_scale * sum(code * x_q) + minimum * sum(x)
+// with x ~= x_q * x_scale (x_q in -127..127); sum(x) is taken from the float activations.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define RAYLANE_HAS_GEMV 1
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kMaxRows = 4;  // activation rows per pass over the weights
+
+#ifdef RAYLANE_HAS_GEMV
+
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+  // u (0..15) x s (-127..127): a pair's sum stays within int16.
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));  // u <= 127 here too
+#endif
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float half(const c10::Half h) { return _cvtsh_ss(h.x); }
+
+inline float dot_half(const c10::Half* a, const float* b, int64_t count) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m256 ah = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i)));
+    acc = _mm256_fmadd_ps(ah, _mm256_loadu_ps(b + i), acc);
+  }
+  float sum = hsum(acc);
+  for (; i < count; ++i) sum += half(a[i]) * b[i];
+  return sum;
+}
+
+inline __m256i unpack(const uint8_t* w) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+}
+
+// Rows [n0, n1) of out[m, n] for M activation rows. Two accumulators per row, even and odd groups:
+// one would chain every group's multiply-add on the last one's latency.
+template <int M>
+void rows(const int8_t* xq, const float* xd, const float* xs, const uint8_t* codes, const c10::Half* scale,
+          const c10::Half* minimum, float* out, int64_t k, int64_t n, int64_t n0, int64_t n1) {
+  const int64_t groups = k / kGroup;
+  for (int64_t row = n0; row < n1; ++row) {
+    const uint8_t* w = codes + row * (k / 2);
+    const c10::Half* ws = scale + row * groups;
+    __m256 acc[2][M];
+    for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) {
+      const __m256i w0 = unpack(w + g * 16), w1 = unpack(w + g * 16 + 16);
+      const float d0 = half(ws[g]), d1 = half(ws[g + 1]);
+      for (int m = 0; m < M; ++m) {
+        const int8_t* x = xq + m * k + g * kGroup;
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + kGroup));
+        acc[0][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(w0, x0)),
+                                    _mm256_set1_ps(d0 * xd[m * groups + g]), acc[0][m]);
+        acc[1][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(w1, x1)),
+                                    _mm256_set1_ps(d1 * xd[m * groups + g + 1]), acc[1][m]);
+      }
+    }
+    if (g < groups) {
+      const __m256i w0 = unpack(w + g * 16);
+      const float d0 = half(ws[g]);
+      for (int m = 0; m < M; ++m) {
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * k + g * kGroup));
+        acc[0][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(w0, x0)),
+                                    _mm256_set1_ps(d0 * xd[m * groups + g]), acc[0][m]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      out[m * n + row] = hsum(_mm256_add_ps(acc[0][m], acc[1][m])) +
+                         dot_half(minimum + row * groups, xs + m * groups, groups);
+  }
+}
+
+// int8 weights: rows [n0, n1) of out[m, n].
+template <int M>
+void rows_int8(const int8_t* xq, const float* xd, const int8_t* weight, const float* scale, float* out, int64_t k,
+               int64_t n, int64_t n0, int64_t n1) {
+  const int64_t groups = k / kGroup;
+  for (int64_t row = n0; row < n1; ++row) {
+    const int8_t* w = weight + row * k;
+    __m256 acc[2][M];
+    for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kGroup));
+      const __m256i magnitude = _mm256_sign_epi8(wq, wq);
+      for (int m = 0; m < M; ++m) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * k + g * kGroup));
+        const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(magnitude, _mm256_sign_epi8(x, wq)));
+        acc[g & 1][m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(xd[m * groups + g]), acc[g & 1][m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) out[m * n + row] = hsum(_mm256_add_ps(acc[0][m], acc[1][m])) * scale[row];
+  }
+}
+
+#endif
+
+bool supported() {
+#ifdef RAYLANE_HAS_GEMV
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Activations quantized once per call: int8 per 32 inputs, with each group's scale and sum.
+struct Quantized {
+  std::vector<int8_t> q;
+  std::vector<float> scale, sum;
+};
+
+Quantized quantize(const at::Tensor& x) {
+  const int64_t rows = x.size(0), k = x.size(1), groups = rows * k / kGroup;
+  Quantized out{std::vector<int8_t>(rows * k), std::vector<float>(groups), std::vector<float>(groups)};
+  const float* xp = x.data_ptr<float>();
+  for (int64_t i = 0; i < groups; ++i) {
+    const float* src = xp + i * kGroup;
+    float amax = 0.f;
+    for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(src[j]));
+    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t sum = 0;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      const auto q = static_cast<int8_t>(std::nearbyint(src[j] * inv));
+      out.q[i * kGroup + j] = q;
+      sum += q;
+    }
+    out.scale[i] = d;
+    out.sum[i] = d * static_cast<float>(sum);
+  }
+  return out;
+}
+
+// Calls `kernel<M>(first row, M)` over passes of up to kMaxRows activation rows.
+template <typename Kernel>
+void passes(int64_t rows, Kernel kernel) {
+  for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
+    switch (std::min(kMaxRows, rows - m0)) {
+      case 1: kernel(std::integral_constant<int, 1>{}, m0); break;
+      case 2: kernel(std::integral_constant<int, 2>{}, m0); break;
+      case 3: kernel(std::integral_constant<int, 3>{}, m0); break;
+      default: kernel(std::integral_constant<int, 4>{}, m0); break;
+    }
+  }
+}
+
+void check_x(const at::Tensor& x) {
+  TORCH_CHECK(supported(), "raylane's quantized kernels need an x86 CPU with AVX2, FMA and F16C");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: [M, K] float32");
+  TORCH_CHECK(x.size(1) % kGroup == 0, "K a multiple of 32");
+}
+
+// x [M, K] float32; codes [N, K / 2] uint8; scale, minimum [N, K / 32] float16 -> [M, N] float32.
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                     const at::Tensor& minimum) {
+  check_x(x);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes: uint8");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && minimum.scalar_type() == at::kHalf, "float16 scales");
+  const int64_t k = x.size(1), n = codes.size(0), groups = k / kGroup;
+  TORCH_CHECK(codes.size(1) * 2 == k && scale.size(1) == groups && minimum.size(1) == groups, "shapes");
+  auto out = at::empty({x.size(0), n}, x.options());
+#ifdef RAYLANE_HAS_GEMV
+  const Quantized xq = quantize(x);
+  const auto* wc = codes.data_ptr<uint8_t>();
+  const auto* ws = scale.data_ptr<c10::Half>();
+  const auto* wm = minimum.data_ptr<c10::Half>();
+  float* o = out.data_ptr<float>();
+  passes(x.size(0), [&](auto rows_here, int64_t m0) {
+    constexpr int M = decltype(rows_here)::value;
+    at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+      rows<M>(xq.q.data() + m0 * k, xq.scale.data() + m0 * groups, xq.sum.data() + m0 * groups, wc, ws, wm,
+              o + m0 * n, k, n, n0, n1);
+    });
+  });
+#endif
+  return out;
+}
+
+// x [M, K] float32; weight [N, K] int8 (-127..127); scale [N] float32 -> [M, N] float32.
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  check_x(x);
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous() && weight.size(1) == x.size(1),
+              "weight: [N, K] int8");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0), "scale: [N] float32");
+  const int64_t k = x.size(1), n = weight.size(0), groups = k / kGroup;
+  auto out = at::empty({x.size(0), n}, x.options());
+#ifdef RAYLANE_HAS_GEMV
+  const Quantized xq = quantize(x);
+  const auto* w = weight.data_ptr<int8_t>();
+  const float* s = scale.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  passes(x.size(0), [&](auto rows_here, int64_t m0) {
+    constexpr int M = decltype(rows_here)::value;
+    at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+      rows_int8<M>(xq.q.data() + m0 * k, xq.scale.data() + m0 * groups, w, s, o + m0 * n, k, n, n0, n1);
+    });
+  });
+#endif
+  return out;
+}
+
+bool quantized_gemv_supported() { return supported(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(raylane_cpu, m) {
+  m.def("int4_gemv(Tensor x, Tensor codes, Tensor scale, Tensor minimum) -> Tensor");
+  m.def("int8_gemv(Tensor x, Tensor weight, Tensor scale) -> Tensor");
+  m.def("quantized_gemv_supported() -> bool", &quantized_gemv_supported);
+}
+TORCH_LIBRARY_IMPL(raylane_cpu, CPU, m) {
+  m.impl("int4_gemv", &int4_gemv);
+  m.impl("int8_gemv", &int8_gemv);
+}
