@@ -7,9 +7,9 @@ weights, so the weights come from memory as in a model, not from cache; the two 
 
 `--int4` instead compares, per linear shape of SmolLM2-135M (and its 49,152-row LM head) and per
 token count, every weight form the engine can hold: oneDNN-prepacked float32 and bfloat16, int8
-(`_weight_int8pack_mm`), and int4 both through torch's int4 kernel and dequantized then multiplied
-(`parallel/int4.py`); the last column is the path `int4_linear` takes at that size, so the table is
-what sets `DENSE_MIN_TOKENS`.
+(`int8_linear`), and int4 both through its kernel (raylane's, or torch's where that cannot run)
+and dequantized then multiplied (`parallel/int4.py`); the last column is the path `int4_linear`
+takes at that size, so the table is what sets `DENSE_MIN_TOKENS`.
 """
 
 import argparse
