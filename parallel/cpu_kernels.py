@@ -19,6 +19,8 @@ keep torch's kernels and say why.
 
 import hashlib
 import logging
+import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -63,6 +65,7 @@ def why_not_available() -> str | None:
             try:
                 from torch.utils.cpp_extension import load
 
+                _put_ninja_on_path()
                 load(_build_name(), [str(s) for s in SOURCES], extra_cflags=CFLAGS, is_python_module=False)
                 _register_fakes()
                 _why_not = None
@@ -70,6 +73,17 @@ def why_not_available() -> str | None:
                 _why_not = f"raylane's C++ kernels did not build: {error}"
                 logger.warning("%s", _why_not)
         return _why_not
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; a process started without the environment's bin folder on it
+    (a Ray worker, say) would not find the one the `ninja` package installed."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def load() -> None:

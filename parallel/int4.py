@@ -11,7 +11,7 @@ holds code j in its low nibble and code j + 16 in its high one): `rows`. Three w
 - raylane's kernel (parallel/csrc/quantized_gemv.cpp, on x86 CPUs with AVX2, FMA and F16C) reads `rows`
   as they are with float16 scale and minimum (Q4_1's own precision), the activations quantized to
   int8 per group of 32 and multiplied in int32 with VNNI, as llama.cpp's Q4_1 x Q8_1 product does:
-  about twice as fast as torch's kernel at one row (bench/README.md, "raylane's CPU kernels");
+  about 1.5x torch's kernel at one row (bench/README.md, "raylane's CPU kernels");
 - elsewhere torch's CPU weight-only int4 kernel, `_weight_int4pack_mm_for_cpu` (gpt-fast's
   "tinygemm" layout), on a second copy packed by `_convert_weight_to_int4pack_for_cpu` with a
   (scale, zero) pair per group and output row, `w = (q - 8) * scale + zero`; on x86 only its
@@ -93,7 +93,8 @@ class Int4Weight(nn.Module):
         self.scale, self.minimum = _frozen(scale), _frozen(minimum)
         for name in ("scale_f16", "minimum_f16", "packed", "scales_and_zeros"):
             self.register_parameter(name, None)
-        if group_size == GROUP_SIZE and cpu_kernels.quantized_gemv_supported():
+        on_cpu = weight.device.type == "cpu"
+        if on_cpu and group_size == GROUP_SIZE and cpu_kernels.quantized_gemv_supported():
             self.scale_f16, self.minimum_f16 = _frozen(scale.half()), _frozen(minimum.half())
         elif kernel_available() and self.out_features % 16 == 0:  # torch's kernel tiles output rows by 16
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)

@@ -108,7 +108,8 @@ def quantize_linear_(layer: nn.Module, shared: dict | None = None, method: str =
     and LM head) stays one tensor."""
     shared = {} if shared is None else shared
     weight = layer.weight
-    cpu_kernels.quantized_gemv_supported()  # answered now, before any compiled graph asks
+    if weight.device.type == "cpu":
+        cpu_kernels.quantized_gemv_supported()  # answered now, before any compiled graph asks
     key = (id(weight), method)
     if key not in shared:
         if method == "int4":
