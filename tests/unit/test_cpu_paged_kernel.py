@@ -2,20 +2,16 @@
 
 Checked against the torch backend's padded gather + SDPA (which the model tests hold to Hugging Face)
 on caches whose blocks are shuffled, with grouped-query heads, head sizes the kernel specializes (64,
-128) and one it does not (32), a sliding window, bfloat16, and a request split over threads; then the
-whole engine on it against Hugging Face's greedy tokens, with a window releasing blocks.
+128) and one it does not (32), a sliding window, bfloat16, and a request split over threads. The
+whole engine on it against Hugging Face's greedy tokens: tests/unit/test_paged_attention.py.
 """
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MistralConfig
 
-from raylane.engine import LLM, SamplingParams
-from raylane.engine.block_manager import NULL_BLOCK
 from raylane.models.attention import build_attention_metadata, paged_attention
 from raylane.models.paged_kernel import select_attention_backend
 from raylane.parallel import cpu_kernels
-from tests.hf_models import TINY_CONFIG
 
 BLOCK = 16
 
@@ -126,31 +122,3 @@ def test_auto_takes_it_on_cpu_and_says_why_not(monkeypatch, caplog):
     assert "did not build: no c++" in caplog.text
     with pytest.raises(ValueError, match=r"^attention_backend: .*did not build"):
         select_attention_backend("cpu_paged", cpu, torch.float32, 64, 16)
-
-
-def test_the_engine_on_it_generates_hugging_faces_tokens(tmp_path):
-    """Chunked prefills beside decodes, a 40-token window releasing a 300-token prompt's blocks."""
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(
-        MistralConfig(**TINY_CONFIG, sliding_window=40), dtype=torch.float32
-    )
-    hf.eval().save_pretrained(tmp_path)
-    hf.generation_config.eos_token_id = None
-    llm = LLM(
-        str(tmp_path), attention_backend="cpu_paged", max_num_batched_tokens=64, enable_prefix_caching=False
-    )
-    assert llm.engine.runner.attention_backend == "cpu_paged"
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (300, 37, 5)]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    engine, finished, released = llm.engine, {}, False
-    ids = [engine.add_request(p, params) for p in prompts]
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out.outputs[0].token_ids
-        released |= any(NULL_BLOCK in r.block_ids for r in engine.scheduler.running)
-    assert released
-    for rid, prompt in zip(ids, prompts, strict=True):
-        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
-        assert finished[rid] == expected[0, len(prompt) :].tolist()

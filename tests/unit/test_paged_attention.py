@@ -188,6 +188,21 @@ def test_the_engine_on_the_flash_backend_generates_hugging_faces_tokens(windowed
     )
     llm = LLM(path, block_size=BLOCK, num_kv_blocks=8, max_num_batched_tokens=64, enable_prefix_caching=False)
     assert llm.engine.runner.attention_backend == "flash_varlen"
+    generates_hugging_faces_tokens(llm, hf)
+    assert any(n > 1 and max_q > 1 for n, max_q in calls)  # a prefill chunk and decodes in one call
+
+
+def test_the_engine_on_cpu_paged_generates_hugging_faces_tokens(windowed_checkpoint):
+    """The same on the cpu_paged backend (raylane's C++ decode kernel), with 16-token blocks."""
+    path, hf = windowed_checkpoint
+    llm = LLM(path, attention_backend="cpu_paged", max_num_batched_tokens=64, enable_prefix_caching=False)
+    assert llm.engine.runner.attention_backend == "cpu_paged"
+    generates_hugging_faces_tokens(llm, hf)
+
+
+def generates_hugging_faces_tokens(llm: LLM, hf) -> None:
+    """Prompts of 300, 37 and 5 tokens, 12 greedy tokens each, stepped through the engine: each
+    request's tokens are `hf.generate`'s, and the 300-token prompt's first block left the window."""
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (300, 37, 5)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -198,8 +213,7 @@ def test_the_engine_on_the_flash_backend_generates_hugging_faces_tokens(windowed
             if out.finished:
                 finished[out.request_id] = out.outputs[0].token_ids
         released |= any(NULL_BLOCK in r.block_ids for r in engine.scheduler.running)
-    assert released  # the 300-token prompt's first block left the window while it decoded
-    assert any(n > 1 and max_q > 1 for n, max_q in calls)  # a prefill chunk and decodes in one call
+    assert released
     for rid, prompt in zip(ids, prompts, strict=True):
         expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
         assert finished[rid] == expected[0, len(prompt) :].tolist()
