@@ -9,8 +9,11 @@
 // int4 weight layout, per output row: for each group of 32 inputs 16 bytes, byte j holding code j in its
 // low nibble and code j + 16 in its high nibble; float16 scale and minimum per group, so that
 // w = code * scale + minimum. A group's product is
-//   scale * x_scale * sum(code * x_q) + minimum * sum(x)
-// with x ~= x_q * x_scale (x_q in -127..127); sum(x) is taken from the float activations.
+//   scale * x_scale * sum(code * x_q) + minimum * x_scale * sum(x_q)
+// with x ~= x_q * x_scale (x_q in -127..127). The minimum's term takes the quantized activations'
+// sum, not the exact one: then the two terms' rounding errors cancel as they do in
+// sum((code * scale + minimum) * x_q * x_scale); with the exact sum they did not (top-1 agreement
+// with float32 on SmolLM2 93.6% instead of 97.2%).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -41,8 +44,8 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #elif defined(__AVXVNNI__)
   return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
 #else
-  // u (0..15) x s (-127..127): a pair's sum stays within int16.
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));  // u <= 127 here too
+  // u <= 127 (int4 codes, int8 magnitudes), s in -127..127: a pair's sum fits int16.
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
 }
 
@@ -76,7 +79,7 @@ inline __m256i unpack(const uint8_t* w) {
 // Rows [n0, n1) of out[m, n] for M activation rows. Two accumulators per row, even and odd groups:
 // one would chain every group's multiply-add on the last one's latency.
 template <int M>
-void rows(const int8_t* xq, const float* xd, const float* xs, const uint8_t* codes, const c10::Half* scale,
+void rows_int4(const int8_t* xq, const float* xd, const float* xs, const uint8_t* codes, const c10::Half* scale,
           const c10::Half* minimum, float* out, int64_t k, int64_t n, int64_t n0, int64_t n1) {
   const int64_t groups = k / kGroup;
   for (int64_t row = n0; row < n1; ++row) {
@@ -209,7 +212,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   passes(x.size(0), [&](auto rows_here, int64_t m0) {
     constexpr int M = decltype(rows_here)::value;
     at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
-      rows<M>(xq.q.data() + m0 * k, xq.scale.data() + m0 * groups, xq.sum.data() + m0 * groups, wc, ws, wm,
+      rows_int4<M>(xq.q.data() + m0 * k, xq.scale.data() + m0 * groups, xq.sum.data() + m0 * groups, wc, ws, wm,
               o + m0 * n, k, n, n0, n1);
     });
   });
