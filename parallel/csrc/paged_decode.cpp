@@ -115,17 +115,9 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
 template <typename T>
 void dispatch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out, const Shape& s) {
-  auto args = std::make_tuple(q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
-                              block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<T>());
-  auto run = [&](auto kernel) {
-    std::apply([&](auto... a) { kernel(a..., s); }, args);
-  };
-  if (s.dim == 64)
-    run(decode<T, 64>);
-  else if (s.dim == 128)
-    run(decode<T, 128>);
-  else
-    run(decode<T, 0>);
+  auto* kernel = s.dim == 64 ? decode<T, 64> : s.dim == 128 ? decode<T, 128> : decode<T, 0>;
+  kernel(q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), block_tables.data_ptr<int64_t>(),
+         context_lens.data_ptr<int64_t>(), out.data_ptr<T>(), s);
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -142,6 +134,18 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
               "int64 block tables and context lengths");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "head shapes");
   TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0), "one row per request");
+  // The kernel trusts the tables: check every request's context fits its row and names real blocks.
+  const int64_t width = block_tables.size(1), blocks = k_cache.size(0), block_size = k_cache.size(1);
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= width * block_size, "context length ", lens[b], " of request ", b,
+                " does not fit its ", width, " blocks");
+    for (int64_t i = (window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0) / block_size;
+         i < (lens[b] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(tables[b * width + i] >= 0 && tables[b * width + i] < blocks, "block ",
+                  tables[b * width + i], " of request ", b, " is not in the cache");
+  }
   auto out = at::empty_like(q);
   const Shape s{q.size(0),       q.size(1),          k_cache.size(2), q.size(2), k_cache.size(1),
                 block_tables.size(1), window, static_cast<float>(scale)};

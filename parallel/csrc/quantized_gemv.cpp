@@ -140,7 +140,7 @@ void rows_int8(const int8_t* xq, const float* xd, const int8_t* weight, const fl
 
 #endif
 
-bool supported() {
+bool quantized_gemv_supported() {
 #ifdef RAYLANE_HAS_GEMV
   return true;
 #else
@@ -189,7 +189,7 @@ void passes(int64_t rows, Kernel kernel) {
 }
 
 void check_x(const at::Tensor& x) {
-  TORCH_CHECK(supported(), "raylane's quantized kernels need an x86 CPU with AVX2, FMA and F16C");
+  TORCH_CHECK(quantized_gemv_supported(), "raylane's quantized kernels need an x86 CPU with AVX2, FMA and F16C");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: [M, K] float32");
   TORCH_CHECK(x.size(1) % kGroup == 0, "K a multiple of 32");
 }
@@ -199,9 +199,13 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                      const at::Tensor& minimum) {
   check_x(x);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes: uint8");
-  TORCH_CHECK(scale.scalar_type() == at::kHalf && minimum.scalar_type() == at::kHalf, "float16 scales");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && minimum.scalar_type() == at::kHalf && scale.is_contiguous() &&
+                  minimum.is_contiguous(),
+              "float16 scales");
   const int64_t k = x.size(1), n = codes.size(0), groups = k / kGroup;
-  TORCH_CHECK(codes.size(1) * 2 == k && scale.size(1) == groups && minimum.size(1) == groups, "shapes");
+  TORCH_CHECK(codes.size(1) * 2 == k && scale.size(0) == n && scale.size(1) == groups &&
+                  minimum.sizes() == scale.sizes(),
+              "shapes");
   auto out = at::empty({x.size(0), n}, x.options());
 #ifdef RAYLANE_HAS_GEMV
   const Quantized xq = quantize(x);
@@ -212,8 +216,8 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   passes(x.size(0), [&](auto rows_here, int64_t m0) {
     constexpr int M = decltype(rows_here)::value;
     at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
-      rows_int4<M>(xq.q.data() + m0 * k, xq.scale.data() + m0 * groups, xq.sum.data() + m0 * groups, wc, ws, wm,
-              o + m0 * n, k, n, n0, n1);
+      rows_int4<M>(xq.q.data() + m0 * k, xq.scale.data() + m0 * groups, xq.sum.data() + m0 * groups, wc, ws,
+                   wm, o + m0 * n, k, n, n0, n1);
     });
   });
 #endif
@@ -225,7 +229,8 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
   check_x(x);
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous() && weight.size(1) == x.size(1),
               "weight: [N, K] int8");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0), "scale: [N] float32");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == weight.size(0),
+              "scale: [N] float32");
   const int64_t k = x.size(1), n = weight.size(0), groups = k / kGroup;
   auto out = at::empty({x.size(0), n}, x.options());
 #ifdef RAYLANE_HAS_GEMV
@@ -242,8 +247,6 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
 #endif
   return out;
 }
-
-bool quantized_gemv_supported() { return supported(); }
 
 }  // namespace
 

@@ -122,3 +122,20 @@ def test_auto_takes_it_on_cpu_and_says_why_not(monkeypatch, caplog):
     assert "did not build: no c++" in caplog.text
     with pytest.raises(ValueError, match=r"^attention_backend: .*did not build"):
         select_attention_backend("cpu_paged", cpu, torch.float32, 64, 16)
+
+
+def test_a_table_the_cache_cannot_hold_is_refused_not_read():
+    """The kernel reads memory where the tables point: a block outside the cache, or a context longer
+    than its table row, is an error before anything is read."""
+    tables, (k_cache, v_cache), q, _, _ = shuffled_batch([40, 20], 9, 3, 64, torch.float32, seed=6)
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    lens = torch.tensor([40, 20])
+    cpu_kernels.load()
+    torch.ops.raylane_cpu.paged_decode(q, k_cache, v_cache, padded, lens, 0.125, 0)  # a valid call runs
+    outside = padded.clone()
+    outside[1, 0] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="not in the cache"):
+        torch.ops.raylane_cpu.paged_decode(q, k_cache, v_cache, outside, lens, 0.125, 0)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        torch.ops.raylane_cpu.paged_decode(q, k_cache, v_cache, padded, torch.tensor([40, 49]), 0.125, 0)
