@@ -41,12 +41,20 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+# Settings that hold torch's, oneDNN's, MKL's and raylane's kernels to fewer vector extensions than the
+# CPU has: `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` times an AVX2-only CPU's code on this one.
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def machine_info() -> dict[str, Any]:
-    """The machine line of a benchmark that runs a model in its own process."""
+    """The machine line of a benchmark that runs a model in its own process; the CPU's name says so
+    when the kernels were held to fewer vector extensions (`ISA_LIMITS`)."""
     import torch
 
+    limits = [f"{name}={os.environ[name]}" for name in ISA_LIMITS if os.environ.get(name)]
+    held = f" [kernels held back: {', '.join(limits)}]" if limits else ""
     return {
-        "cpu": cpu_model(),
+        "cpu": cpu_model() + held,
         "cores": usable_cores(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -298,7 +298,9 @@ async def compare_point(
     runs: list[list[dict[str, Any]]] = [[], []]
     for repeat in range(repeats):
         for side in (0, 1) if repeat % 2 == 0 else (1, 0):
-            runs[side].append(await measure_point(clients[side], endpoints[side], requests, point, settings))
+            runs[side].append(
+                await measure_point(clients[side], endpoints[side], requests, point, settings, repeat)
+            )
     pooled = [pool(side_runs, settings) for side_runs in runs]
     exact = [exact_lengths(side_runs, requests) for side_runs in runs]
     per_repeat = [

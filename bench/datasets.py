@@ -10,7 +10,7 @@ import argparse
 import json
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
 
@@ -120,6 +120,22 @@ def sharegpt_requests(
         if len(requests) == num:
             return requests
     raise ValueError(f"ShareGPT has only {len(requests)} conversations within --sharegpt-max-len {max_len}")
+
+
+def unique_prompts(requests: list[BenchRequest], tag: str) -> list[BenchRequest]:
+    """The requests with a first line naming `tag` and the request's index before their first message:
+    no two share a prefix beyond what the server adds before it (a chat template's system prompt).
+    `prompt_tokens` stays the dataset's count."""
+    return [
+        replace(
+            r,
+            messages=[
+                {**r.messages[0], "content": f"[{tag}, request {i}]\n{r.messages[0]['content']}"},
+                *r.messages[1:],
+            ],
+        )
+        for i, r in enumerate(requests)
+    ]
 
 
 @cache

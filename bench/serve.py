@@ -23,7 +23,13 @@ from typing import Any
 
 from raylane.bench.client import Endpoint, RequestOptions, make_client, run_requests, send_one
 from raylane.bench.common import OtherLoad, client_machine, print_table, pyplot, write_json
-from raylane.bench.datasets import BenchRequest, DatasetUnavailable, add_dataset_arguments, requests_from_args
+from raylane.bench.datasets import (
+    BenchRequest,
+    DatasetUnavailable,
+    add_dataset_arguments,
+    requests_from_args,
+    unique_prompts,
+)
 from raylane.bench.metrics import LATENCIES, Slo, parse_slo, summarize
 
 # The client shares the machine with whatever it measures; past this share of one core spent in the
@@ -49,6 +55,7 @@ class SweepSettings:
     slo: Slo
     seed: int = 0
     progress: bool = True
+    unique_prompts: bool = False
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +88,13 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
         help="ask for exactly max_tokens (vLLM/raylane extension; --no-ignore-eos for other servers)",
     )
     group.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    group.add_argument(
+        "--unique-prompts",
+        action="store_true",
+        help="start every measured request's first message with a line naming its sweep point, run and "
+        "index, so no prompt shares a prefix with one sent before: TTFT then measures prefill, not the "
+        "server's prompt cache (which the same prompts, sent again by each point and repeat, hit)",
+    )
 
 
 def int_list(text: str) -> list[int]:
@@ -105,7 +119,13 @@ def sweep_points(args: argparse.Namespace) -> list[SweepPoint]:
 
 def settings_from_args(args: argparse.Namespace) -> SweepSettings:
     options = RequestOptions(temperature=args.temperature, ignore_eos=args.ignore_eos, timeout_s=args.timeout)
-    return SweepSettings(options=options, slo=args.slo, seed=args.seed, progress=not args.no_progress)
+    return SweepSettings(
+        options=options,
+        slo=args.slo,
+        seed=args.seed,
+        progress=not args.no_progress,
+        unique_prompts=args.unique_prompts,
+    )
 
 
 async def warm_up(client, endpoint: Endpoint, requests: list[BenchRequest], settings: SweepSettings) -> None:
@@ -123,10 +143,19 @@ class BenchError(RuntimeError):
 
 
 async def measure_point(
-    client, endpoint: Endpoint, requests: list[BenchRequest], point: SweepPoint, settings: SweepSettings
+    client,
+    endpoint: Endpoint,
+    requests: list[BenchRequest],
+    point: SweepPoint,
+    settings: SweepSettings,
+    run: int = 0,
 ) -> dict[str, Any]:
-    """Run one sweep point: its summary, every request's record, and the CPU the client itself used."""
+    """Run one sweep point: its summary, every request's record, and the CPU the client itself used.
+    `run` tells repeats of a point apart (`--unique-prompts`)."""
     from tqdm import tqdm
+
+    if settings.unique_prompts:
+        requests = unique_prompts(requests, f"{point.label} run {run}")
 
     desc = f"{endpoint.label + ' ' if endpoint.label else ''}{point.label}"
     with tqdm(total=len(requests), desc=desc, disable=not settings.progress, file=sys.stderr) as bar:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raylane.parallel import cpu_kernels
+from raylane.parallel import cpu_kernels, onednn
 
 GROUP_SIZE = 32
 # Tokens in a call from which dequantize-then-matmul beats the int4 kernel: between 64 and 256 for
@@ -141,9 +141,10 @@ def kernel_available() -> bool:
 
 def dense_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the dense path's transient weight: bfloat16 where the CPU multiplies it natively
-    (AVX512-BF16; faster than float32 at prefill sizes: `raylane bench linears --int4`), else the
-    activations' dtype."""
-    if dtype == torch.float32 and torch.cpu._is_avx512_bf16_supported():
+    (AVX512-BF16, and oneDNN's bf16 kernels not held back by `ONEDNN_MAX_CPU_ISA`; faster than float32
+    at prefill sizes: `raylane bench linears --int4`), else the activations' dtype."""
+    native = torch.cpu._is_avx512_bf16_supported() and onednn.available(torch.bfloat16)
+    if dtype == torch.float32 and native:
         return torch.bfloat16
     return dtype
 

@@ -9,7 +9,7 @@ import math
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import numpy as np
@@ -165,6 +165,7 @@ class Script:
     gap_s: float = 0.02
     statuses: tuple[int, ...] = (200,)  # by arrival order, cycled; 200 streams, others are errors
     send_usage: bool = True
+    prompts: list[str] = field(default_factory=list)  # each request's first message, by arrival
 
 
 def scripted_app(script: Script):
@@ -197,6 +198,7 @@ def scripted_app(script: Script):
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await request.json()
+        script.prompts.append(body["messages"][0]["content"])
         status = script.statuses[next(arrivals) % len(script.statuses)]
         if status != 200:
             error = {"message": f"scripted {status}", "type": "scripted", "param": None, "code": None}
@@ -345,6 +347,29 @@ def test_compare_puts_the_slower_endpoint_in_the_ratio(tmp_path, capsys):
     ttft_row = next(line for line in out.splitlines() if line.startswith("| TTFT p50"))
     cells = [c.strip() for c in ttft_row.strip("|").split("|")]
     assert float(cells[3]) > 2.0 and cells[-1] == "A"
+
+
+def test_compare_with_unique_prompts_sends_no_prompt_twice_and_both_sides_the_same(tmp_path):
+    a, b = Script(ttft_s=0.01, gap_s=0.002), Script(ttft_s=0.01, gap_s=0.002)
+    with serving(a) as url_a, serving(b) as url_b:
+        argv = ["bench", "compare", "--base-url-a", url_a, "--base-url-b", url_b, "--model", "scripted"]
+        argv += [
+            "--num-prompts",
+            "3",
+            "--random-output-len",
+            "2",
+            "--random-range-ratio",
+            "0",
+            "--warmup",
+            "0",
+        ]
+        argv += ["--concurrency", "1,2", "--repeats", "2", "--no-progress", "--unique-prompts"]
+        assert run_cli(argv) == 0
+    # 2 points x 2 repeats x 3 prompts per side, none sent twice to a side, the same set to both.
+    assert len(a.prompts) == 12 and len(set(a.prompts)) == 12
+    assert sorted(a.prompts) == sorted(b.prompts)
+    dataset = {p.split("\n", 1)[1] for p in a.prompts}  # the dataset's text follows the tag line
+    assert len(dataset) == 3
 
 
 # ---------------------------------------------------------------- prompt generators

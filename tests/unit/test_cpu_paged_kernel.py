@@ -6,6 +6,11 @@ on caches whose blocks are shuffled, with grouped-query heads, head sizes the ke
 whole engine on it against Hugging Face's greedy tokens: tests/unit/test_paged_attention.py.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -139,3 +144,24 @@ def test_a_table_the_cache_cannot_hold_is_refused_not_read():
         torch.ops.raylane_cpu.paged_decode(q, k_cache, v_cache, outside, lens, 0.125, 0)
     with pytest.raises(RuntimeError, match="does not fit"):
         torch.ops.raylane_cpu.paged_decode(q, k_cache, v_cache, padded, torch.tensor([40, 49]), 0.125, 0)
+
+
+def test_the_kernels_follow_torchs_vector_extensions():
+    held = torch.backends.cpu.get_cpu_capability() == "AVX2"
+    assert ("-mno-avx512f" in cpu_kernels.CFLAGS) == held
+
+
+def test_the_avx2_build_passes_the_kernels_tests():
+    """An AVX2-only CPU runs other code in both kernels (no AVX-512: 8-lane loops; int8 products with
+    vpmaddubsw instead of VNNI). On an AVX-512 CPU that build is made by holding torch to AVX2
+    (`ATEN_CPU_CAPABILITY=avx2`), and the kernels' tests run against it in a child pytest."""
+    if "avx512f" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("no AVX-512 here: the other tests already run the AVX2 build")
+    selected = ["tests/unit/test_cpu_paged_kernel.py", "tests/unit/test_quantization.py"]
+    child = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selected]
+    child += ["-k", "kernel and not avx2_build"]
+    env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2"}
+    root = Path(__file__).parents[2]
+    result = subprocess.run(child, env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout
