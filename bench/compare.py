@@ -261,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
             "endpoints": [{"label": e.label, "base_url": e.base_url, "model": e.model} for e in endpoints],
             "dataset": dataset,
             "repeats": args.repeats,
+            "unique_prompts": settings.unique_prompts,
             "client_machine": client_machine(),
             "points": points,
         }

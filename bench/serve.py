@@ -217,7 +217,11 @@ def run(args: argparse.Namespace) -> int:
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "endpoint": {"base_url": endpoint.base_url, "model": endpoint.model},
             "dataset": dataset,
-            "options": {"temperature": args.temperature, "ignore_eos": args.ignore_eos},
+            "options": {
+                "temperature": args.temperature,
+                "ignore_eos": args.ignore_eos,
+                "unique_prompts": args.unique_prompts,
+            },
             "client_machine": client_machine(),
             "points": results,
         }

@@ -17,7 +17,8 @@ from torch import nn
 from transformers import PreTrainedConfig
 
 from raylane.models.attention import Attention, AttentionMetadata
-from raylane.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from raylane.models.layers import RMSNorm, RotaryEmbedding, rotate_qk
+from raylane.parallel.cpu_kernels import fuses_layer_ops
 from raylane.parallel.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -73,7 +74,7 @@ class SelfAttention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotate_qk(q, k, cos, sin)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -102,7 +103,15 @@ class MLP(nn.Module):
         self.act_fn = ACTIVATIONS[hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if (
+            self.act_fn is F.silu
+            and gate_up.dim() == 2
+            and fuses_layer_ops(gate_up)
+            and gate_up.is_contiguous()
+        ):
+            return self.down_proj(torch.ops.raylane_cpu.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)
 
 
@@ -114,8 +123,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_and_norm(
+            x, self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        )
+        return x + self.mlp(h)
 
 
 class DecoderModel(nn.Module):

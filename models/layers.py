@@ -1,9 +1,12 @@
-"""Small layers shared by every model: RMSNorm and rotary position embedding."""
+"""Small layers shared by every model: RMSNorm and rotary position embedding. Eager float32 steps on
+CPU run them in raylane's fused kernels (parallel/csrc/layer_ops.cpp), everything else in torch ops."""
 
 import torch
 from torch import nn
 from transformers import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from raylane.parallel.cpu_kernels import fuses_layer_ops
 
 
 class RMSNorm(nn.Module):
@@ -15,10 +18,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused(x):
+            return torch.ops.raylane_cpu.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, the norm of that): a residual add and the norm after it, in one pass when fused."""
+        if self._fused(x) and self._fused(delta):
+            return torch.ops.raylane_cpu.add_rms_norm(x, delta, self.weight, self.eps)
+        x = x + delta
+        return x, self(x)
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        return fuses_layer_ops(x) and x.is_contiguous() and self.weight.dtype == x.dtype
 
 
 # Scaling types whose frequencies depend on the current sequence length; HF recomputes
@@ -58,6 +73,18 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+
+def rotate_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, heads, head_dim] and k [N, kv_heads, head_dim] rotated (`apply_rotary`). The fused kernel
+    rotates them in place: they are views of the step's own QKV output, read by nothing else."""
+    whole_heads = all(t.stride(-1) == 1 and t.stride(1) == t.shape[2] == cos.shape[-1] for t in (q, k))
+    if whole_heads and fuses_layer_ops(q) and fuses_layer_ops(k) and fuses_layer_ops(cos):
+        torch.ops.raylane_cpu.rotary_(q, k, cos.contiguous(), sin.contiguous())
+        return q, k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

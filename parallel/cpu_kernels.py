@@ -4,6 +4,9 @@
   backend (models/attention.py). The torch backend gathers every decoding request's context into a
   tensor padded to the batch's longest and runs SDPA with a mask; at sixteen streams of mixed
   lengths most of that is padding and copying.
+- `layer_ops.cpp`: a decoder layer's small float32 ops fused for eager steps (RMSNorm with the residual
+  add before it, SiLU-and-multiply, rotary embedding): several torch ops each otherwise, and at one
+  stream the dispatch between them costs more than the matmuls (`fuses_layer_ops`).
 - `quantized_gemv.cpp`: int4 (Q4_1) and int8 weight products for decode-sized calls
   (parallel/int4.py, parallel/quantization.py), the activations quantized to int8 per 32 inputs and
   multiplied in int32 with VNNI (AVX-512 VNNI or AVX-VNNI; AVX2's vpmaddubsw otherwise), as llama.cpp
@@ -105,6 +108,20 @@ def quantized_gemv_supported() -> bool:
     if _gemv is None:
         _gemv = why_not_available() is None and bool(torch.ops.raylane_cpu.quantized_gemv_supported())
     return _gemv
+
+
+_layer_ops: bool | None = None
+
+
+def fuses_layer_ops(x: torch.Tensor) -> bool:
+    """Whether a layer's norms, activation and rotary on `x` run in `layer_ops.cpp`: eager float32 on
+    CPU where the kernels load. torch.compile fuses those ops itself, so its graphs keep torch's."""
+    global _layer_ops
+    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling():
+        return False
+    if _layer_ops is None:
+        _layer_ops = why_not_available() is None
+    return _layer_ops
 
 
 def _register_fakes() -> None:

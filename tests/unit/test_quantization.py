@@ -396,7 +396,8 @@ def test_int4_model_computes_its_dequantized_weights_in_prefill_and_decode(llama
     runner.allocate_kv_cache(64)
     for name, logits, ref in (
         ("prefill", runner_logits_of(runner, prefills), runner_logits_of(reference, prefills)),
-        ("decode", decode_logits_of(runner, seqs, 6), decode_logits_of(reference, seqs, 6)),
+        # 20 steps of 3 requests: top-1 over 60 positions (over 18, one near-tied flip cost 0.056).
+        ("decode", decode_logits_of(runner, seqs, 20), decode_logits_of(reference, seqs, 20)),
     ):
         rel_error = float((logits - ref).abs().mean() / ref.std())
         agreement = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())

@@ -145,22 +145,26 @@ def test_ngram_speculation_keeps_the_greedy_answers(gguf_path, chat_prompts, hf_
     assert stats.num_accepted_tokens > 0  # drafts were verified and some taken, not speculation switched off
 
 
-# Measured on the six chats (24 tokens): int8 keeps 4 answers whole and int4 3; the chosen tokens'
-# logprobs stay within 0.20 (int8) and 0.11 (int4) of transformers' while the answers agree. A 135M
-# model's top two tokens are often this close, so a reduced precision may pick the other one.
+# Measured on the six chats (24 tokens), raylane's int8-activation kernels: int8 keeps 4 answers whole
+# and int4 4-5; over the steps where the answers agree, the chosen tokens' logprobs are a mean 0.025-0.030
+# (int8) and 0.022-0.023 (int4) from transformers', the worst single step 0.27-0.33 and 0.18-0.22. That
+# worst step moves with any change in float32 rounding upstream (an activation lands on the other side
+# of an int8 step), so it is bounded loosely and the mean tightly. A 135M model's top two tokens are
+# often this close, so a reduced precision may pick the other one.
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_quantized_weights_stay_close_to_transformers(quantization, gguf_path, chat_prompts, hf_greedy):
     with LLM(str(gguf_path), num_kv_blocks=256, quantization=quantization) as llm:
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
         outputs = llm.generate(chat_prompts, params)
-    identical = 0
+    identical, errors = 0, []
     for out, (hf_tokens, hf_logprobs) in zip(outputs, hf_greedy, strict=True):
         completion = out.outputs[0]
         identical += completion.token_ids == hf_tokens
         for step, (token, hf_token) in enumerate(zip(completion.token_ids, hf_tokens, strict=True)):
             if token != hf_token:
                 break
-            assert completion.logprobs[step][token].logprob == pytest.approx(
-                hf_logprobs[step][token].item(), abs=0.3
-            )
+            errors.append(abs(completion.logprobs[step][token].logprob - hf_logprobs[step][token].item()))
+    mean, worst = sum(errors) / len(errors), max(errors)
+    print(f"{quantization}: {identical} answers identical; logprob error mean {mean:.3f}, worst {worst:.3f}")
+    assert mean <= 0.06 and worst <= 0.5
     assert identical >= len(CHATS) // 2
