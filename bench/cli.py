@@ -22,6 +22,7 @@ BENCHMARKS = {
     "report": "raylane.bench.report",
     "decode-profile": "raylane.bench.decode_profile",
     "lora": "raylane.bench.lora",
+    "accuracy": "raylane.bench.accuracy",
 }
 
 

@@ -5,8 +5,8 @@
   tensor padded to the batch's longest and runs SDPA with a mask; at sixteen streams of mixed
   lengths most of that is padding and copying.
 - `layer_ops.cpp`: a decoder layer's small float32 ops fused for eager steps (RMSNorm with the residual
-  add before it, SiLU-and-multiply, rotary embedding): several torch ops each otherwise, and at one
-  stream the dispatch between them costs more than the matmuls (`fuses_layer_ops`).
+  add before it, SiLU-and-multiply, rotary embedding): several torch ops each otherwise, whose
+  dispatch is a good part of a one-stream decode step (`fuses_layer_ops`).
 - `quantized_gemv.cpp`: int4 (Q4_1) and int8 weight products for decode-sized calls
   (parallel/int4.py, parallel/quantization.py), the activations quantized to int8 per 32 inputs and
   multiplied in int32 with VNNI (AVX-512 VNNI or AVX-VNNI; AVX2's vpmaddubsw otherwise), as llama.cpp
