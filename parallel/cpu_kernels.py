@@ -14,7 +14,7 @@
 bench/README.md ("raylane's CPU kernels") has the measurements.
 
 All sources build into one library, once per machine: torch keeps the build in its extensions
-folder (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), about 15 s on two cores. It is
+folder (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), about 30 s on two cores. It is
 compiled for the CPU it runs on (`-march=native`: AVX-512 where there is one, AVX2 otherwise), so the
 build's name carries this CPU's flags. Where torch's kernels are held to AVX2 (`ATEN_CPU_CAPABILITY=avx2`)
 so are these, which times an AVX2-only CPU's code paths on an AVX-512 one (bench/README.md). Where
