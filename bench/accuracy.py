@@ -16,9 +16,12 @@ multiplies by the dequantized weights (bfloat16 on AVX512-BF16 CPUs).
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raylane.bench.common import machine_info, print_table, write_json
+
+if TYPE_CHECKING:
+    import torch
 
 MODEL = "smollm2-135m-instruct"
 
@@ -53,7 +56,9 @@ def sequences(path: str, num: int, reply_tokens: int) -> list[tuple[list[int], l
     raise ValueError(f"ShareGPT has only {len(seqs)} conversations that fit")
 
 
-def reply_logits(path: str, quantization: str | None, seqs) -> "Any":
+def reply_logits(
+    path: str, quantization: str | None, seqs: list[tuple[list[int], list[int]]]
+) -> "torch.Tensor":
     """Logits at every reply position (predicting the next reply token), all sequences concatenated."""
     import torch
 

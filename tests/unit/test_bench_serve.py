@@ -353,17 +353,9 @@ def test_compare_with_unique_prompts_sends_no_prompt_twice_and_both_sides_the_sa
     a, b = Script(ttft_s=0.01, gap_s=0.002), Script(ttft_s=0.01, gap_s=0.002)
     with serving(a) as url_a, serving(b) as url_b:
         argv = ["bench", "compare", "--base-url-a", url_a, "--base-url-b", url_b, "--model", "scripted"]
-        argv += [
-            "--num-prompts",
-            "3",
-            "--random-output-len",
-            "2",
-            "--random-range-ratio",
-            "0",
-            "--warmup",
-            "0",
-        ]
-        argv += ["--concurrency", "1,2", "--repeats", "2", "--no-progress", "--unique-prompts"]
+        argv += ["--num-prompts", "3", "--random-output-len", "2", "--random-range-ratio", "0"]
+        argv += ["--warmup", "0", "--concurrency", "1,2", "--repeats", "2", "--no-progress"]
+        argv += ["--unique-prompts"]
         assert run_cli(argv) == 0
     # 2 points x 2 repeats x 3 prompts per side, none sent twice to a side, the same set to both.
     assert len(a.prompts) == 12 and len(set(a.prompts)) == 12
