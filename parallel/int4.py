@@ -94,8 +94,6 @@ class Int4Weight(nn.Module):
         for name in ("scale_f16", "minimum_f16", "packed", "scales_and_zeros"):
             self.register_parameter(name, None)
         on_cpu = weight.device.type == "cpu"
-        if on_cpu:
-            dense_dtype(self.dtype)  # probes oneDNN's bf16 here, not first inside a compiled graph
         if on_cpu and group_size == GROUP_SIZE and cpu_kernels.quantized_gemv_supported():
             self.scale_f16, self.minimum_f16 = _frozen(scale.half()), _frozen(minimum.half())
         elif kernel_available() and self.out_features % 16 == 0:  # torch's kernel tiles output rows by 16

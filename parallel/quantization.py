@@ -108,8 +108,9 @@ def quantize_linear_(layer: nn.Module, shared: dict | None = None, method: str =
     and LM head) stays one tensor."""
     shared = {} if shared is None else shared
     weight = layer.weight
-    if weight.device.type == "cpu":
-        cpu_kernels.quantized_gemv_supported()  # answered now, before any compiled graph asks
+    if weight.device.type == "cpu":  # answered now, before any compiled graph asks
+        cpu_kernels.quantized_gemv_supported()
+        dense_dtype(weight.dtype)  # oneDNN's bf16 probe
     key = (id(weight), method)
     if key not in shared:
         if method == "int4":
