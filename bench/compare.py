@@ -134,6 +134,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2048,
         help="prompt + answer tokens per slot; the context (-c) is slots x this",
     )
+    group.add_argument(
+        "--llama-server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more llama-server argument, repeatable; e.g. --llama-server-arg=--no-repack where "
+        "llama.cpp's AMX or repacked kernels fail on a CPU (recorded in compare.json)",
+    )
     add_api_key_argument(parser)
     add_dataset_arguments(parser)
     add_sweep_arguments(parser)
@@ -194,6 +202,7 @@ def llama_server_source(args: argparse.Namespace, side: str, given: Path) -> Lla
         threads=args.llama_server_threads,
         ctx_per_slot=args.llama_server_ctx_per_slot,
         binary=args.llama_server_bin,
+        extra_args=tuple(args.llama_server_arg),
     )
     model = getattr(args, f"model_{side}") or args.model or gguf.name
     return LlamaServerSource(getattr(args, f"label_{side}") or "llama-server", model, args.api_key, server)
@@ -258,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
         report = {
             "benchmark": "compare",
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "endpoints": [{"label": e.label, "base_url": e.base_url, "model": e.model} for e in endpoints],
+            "endpoints": [endpoint_record(e, s) for e, s in zip(endpoints, sources, strict=True)],
             "dataset": dataset,
             "repeats": args.repeats,
             "unique_prompts": settings.unique_prompts,
@@ -268,6 +277,13 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.out / "compare.json", json_safe(report))
         print(f"\nwrote {args.out / 'compare.json'}")
     return 0
+
+
+def endpoint_record(endpoint: Endpoint, source: EndpointSource) -> dict[str, Any]:
+    record = {"label": endpoint.label, "base_url": endpoint.base_url, "model": endpoint.model}
+    if isinstance(source, LlamaServerSource):  # how the anchor ran: its threads, slots, extra arguments
+        record["command"] = source.server.command()
+    return record
 
 
 async def compare_sweep(

@@ -189,11 +189,11 @@ class LlamaServer:
             str(self.threads),
             "-c",
             str(self.n_parallel * self.ctx_per_slot),
+            *self.extra_args,
             "--host",
             "127.0.0.1",
             "--port",
             str(self.port),
-            *self.extra_args,
         ]
 
     def start(self) -> "LlamaServer":

@@ -28,6 +28,7 @@ FAKE_LLAMA_SERVER = textwrap.dedent(
     parser = argparse.ArgumentParser()
     for flag in ("-m", "-np", "-t", "-c", "--host", "--port"):
         parser.add_argument(flag, required=True)
+    parser.add_argument("--no-repack", action="store_true")
     args = parser.parse_args()
     log = os.path.join(os.environ["FAKE_LLAMA_LOG"], args.port + ".json")
     state = {"argv": sys.argv[1:], "bodies": [], "health_polls": 0}
@@ -121,6 +122,14 @@ def test_llama_server_side_takes_the_gguf_and_server_settings(gguf):
     cmd = server.command()
     assert cmd[1:9] == ["-m", str(gguf), "-np", "16", "-t", "4", "-c", str(16 * 2048)]
     assert cmd[-4:] == ["--host", "127.0.0.1", "--port", "5555"]
+    # Extra arguments reach the server (e.g. --no-repack where llama.cpp's AMX kernels crash).
+    args = parse(
+        ["--llama-server-a", str(gguf), "--config-b", "raylane.yaml"]
+        + ["--llama-server-arg=--no-repack", "--llama-server-arg=-fa"]
+    )
+    server = compare.llama_server_source(args, "a", gguf).server
+    server.port = 5555
+    assert server.command()[9:11] == ["--no-repack", "-fa"]
 
 
 def test_a_side_is_one_of_url_config_or_llama_server(gguf, capsys):
@@ -211,6 +220,7 @@ def test_compare_starts_llama_server_sides_sends_the_same_requests_and_stops_the
     argv += ["--llama-server-bin", str(binary), "--llama-server-ctx-per-slot", "512", "--model", "chat"]
     argv += ["--num-prompts", "4", "--random-output-len", "5", "--random-range-ratio", "0.5"]
     argv += ["--concurrency", "1,4", "--repeats", "1", "--no-progress", "--out", str(tmp_path)]
+    argv += ["--llama-server-arg=--no-repack"]
     assert run_compare(argv) == 0
     out = capsys.readouterr().out
     side_a, side_b = seen(logs)
@@ -232,6 +242,10 @@ def test_compare_starts_llama_server_sides_sends_the_same_requests_and_stops_the
         assert point["exact_output_tokens"] == [{"exact": 4, "completed": 4}] * 2
     assert table_rows(out, "exactly max_tokens") == [["4/4", "4/4"]] * 2
     assert [e["label"] for e in report["endpoints"]] == ["llama-server", "other"]
+    # How each server ran is on record, its extra argument included.
+    commands = sorted(e["command"][1:] for e in report["endpoints"])
+    assert commands == sorted([side_a["argv"], side_b["argv"]])
+    assert all("--no-repack" in command for command in commands)
 
 
 def test_compare_shows_a_side_that_stops_before_max_tokens(fake_binary, gguf, tmp_path, capsys):
