@@ -33,6 +33,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 # Reassociation lets the compiler vectorize the kernels' sums and the softmax's exp; they keep no
 # NaN/inf or signed-zero semantics beyond the -inf start of a running max.
 CFLAGS = [
@@ -58,7 +59,7 @@ def _build_name() -> str:
         )
     except (OSError, StopIteration):
         cpu = ""
-    text = "\n".join([*(s.read_text() for s in SOURCES), " ".join(CFLAGS), torch.__version__, cpu])
+    text = "\n".join([*(s.read_text() for s in SOURCES + HEADERS), " ".join(CFLAGS), torch.__version__, cpu])
     return "raylane_cpu_" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

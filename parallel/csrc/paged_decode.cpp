@@ -12,6 +12,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "flush_denormals.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -103,6 +105,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
   const int64_t splits = s.batch >= at::get_num_threads() ? 1 : s.kv_heads;
   const int64_t per_item = s.heads / splits;
   at::parallel_for(0, s.batch * splits, 1, [&](int64_t begin, int64_t end) {
+    const FlushDenormals flush;  // softmax weights of far-below-the-max scores would be denormals
     std::vector<float> scores, acc;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / splits, h0 = (item % splits) * per_item;

@@ -48,6 +48,16 @@ def test_silu_and_mul_over_the_whole_float_range():
     torch.testing.assert_close(out, F.silu(gate) * up, rtol=2e-6, atol=1e-30)
 
 
+def test_silu_and_mul_leaves_the_threads_denormals_as_they_were():
+    """The kernel runs with denormals flushed (parallel/csrc/flush_denormals.h: speed, on Intel);
+    torch's ops after it on the same thread still keep denormal values."""
+    assert cpu_kernels.why_not_available() is None
+    tiny = torch.tensor([1e-39, -3e-40])  # denormal float32s
+    assert torch.all(tiny * 1.0 != 0)
+    torch.ops.raylane_cpu.silu_and_mul(torch.randn(1, 64))  # one row: it runs on this thread
+    assert torch.all(tiny * 1.0 != 0) and torch.all(tiny / 2 != 0)
+
+
 @pytest.mark.parametrize("rows", [1, 21])
 def test_rotary_rotates_q_and_k_in_place_and_leaves_v(rows):
     heads, kv_heads, dim = 9, 3, 64
