@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include "flush_denormals.h"
+#include "vector_math.h"
 
 #include <algorithm>
 #include <cmath>
@@ -47,7 +48,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
   const int64_t n = ctx - start, nh = h1 - h0;
   const int64_t first = start - start % s.block_size;
   scores.resize(nh * n);
-  acc.assign(nh * dim, 0.f);
+  if (DIM == 0) acc.resize(nh * dim);
   std::vector<float> query(nh * dim);
   for (int64_t i = 0; i < nh * dim; ++i) query[i] = to_float(q[h0 * dim + i]) * s.scale;
 
@@ -66,7 +67,6 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
       }
     }
   }
-  std::vector<float> sums(nh);
   for (int64_t i = 0; i < nh; ++i) {
     float* sh = scores.data() + i * n;
     float top = -INFINITY;
@@ -74,27 +74,34 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < n; ++j) {
-      sh[j] = std::exp(sh[j] - top);
+      sh[j] = exp_approx(sh[j] - top);
       sum += sh[j];
     }
-    sums[i] = sum;
+    const float inv = 1.f / sum;
+    for (int64_t j = 0; j < n; ++j) sh[j] *= inv;
   }
-  for (int64_t t0 = first; t0 < ctx; t0 += s.block_size) {
-    const int64_t lo = std::max(t0, start), hi = std::min(t0 + s.block_size, ctx);
-    const T* block = v_cache + table[t0 / s.block_size] * s.block_size * row;
-    for (int64_t t = lo; t < hi; ++t) {
-      const T* value = block + (t - t0) * row;
-      for (int64_t h = h0; h < h1; ++h) {
-        const float p = scores[(h - h0) * n + (t - start)];
-        const T* vh = value + (h / group) * dim;
-        float* ah = acc.data() + (h - h0) * dim;
+  // The weighted sum of values, one query head at a time: with the head size known at compile time
+  // its running sum stays in registers over the whole context (a head's value rows come from L2 for
+  // the group's other heads). Summing every head per token instead kept the sums in memory, and the
+  // store-to-load chain through them was a third of the kernel's time.
+  for (int64_t h = h0; h < h1; ++h) {
+    const float* p = scores.data() + (h - h0) * n;
+    const int64_t offset = (h / group) * dim;
+    float local[DIM > 0 ? DIM : 1];
+    float* sum = DIM > 0 ? local : acc.data() + (h - h0) * dim;
+    for (int64_t d = 0; d < dim; ++d) sum[d] = 0.f;
+    for (int64_t t0 = first; t0 < ctx; t0 += s.block_size) {
+      const int64_t lo = std::max(t0, start), hi = std::min(t0 + s.block_size, ctx);
+      const T* block = v_cache + table[t0 / s.block_size] * s.block_size * row + offset;
+      for (int64_t t = lo; t < hi; ++t) {
+        const float pt = p[t - start];
+        const T* vh = block + (t - t0) * row;
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) ah[d] += p * to_float(vh[d]);
+        for (int64_t d = 0; d < dim; ++d) sum[d] += pt * to_float(vh[d]);
       }
     }
+    for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = static_cast<T>(sum[d]);
   }
-  for (int64_t i = 0; i < nh; ++i)
-    for (int64_t d = 0; d < dim; ++d) out[(h0 + i) * dim + d] = static_cast<T>(acc[i * dim + d] / sums[i]);
 }
 
 template <typename T, int64_t DIM>
