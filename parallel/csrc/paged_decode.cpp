@@ -83,7 +83,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
   // The weighted sum of values, one query head at a time: with the head size known at compile time
   // its running sum stays in registers over the whole context (a head's value rows come from L2 for
   // the group's other heads). Summing every head per token instead kept the sums in memory, and the
-  // store-to-load chain through them was a third of the kernel's time.
+  // store-to-load chain through them held the kernel's hottest instructions.
   for (int64_t h = h0; h < h1; ++h) {
     const float* p = scores.data() + (h - h0) * n;
     const int64_t offset = (h / group) * dim;
