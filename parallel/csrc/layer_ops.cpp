@@ -13,10 +13,8 @@
 #include "flush_denormals.h"
 #include "vector_math.h"
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <tuple>
 
 namespace {
