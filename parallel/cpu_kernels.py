@@ -40,7 +40,9 @@ CFLAGS = [
     "-O3",
     "-march=native",
     *(["-mno-avx512f"] if torch.backends.cpu.get_cpu_capability() == "AVX2" else []),
-    "-fopenmp-simd",
+    # OpenMP: ATen's parallel_for (a header template) runs on the calling thread in code compiled
+    # without it. The library links the libgomp torch has loaded (same soname), not a second runtime.
+    "-fopenmp",
     "-fno-math-errno",
     "-fassociative-math",
     "-fno-signed-zeros",
@@ -72,8 +74,18 @@ def why_not_available() -> str | None:
                 from torch.utils.cpp_extension import load
 
                 _put_ninja_on_path()
-                load(_build_name(), [str(s) for s in SOURCES], extra_cflags=CFLAGS, is_python_module=False)
+                load(
+                    _build_name(),
+                    [str(s) for s in SOURCES],
+                    extra_cflags=CFLAGS,
+                    extra_ldflags=["-fopenmp"],
+                    is_python_module=False,
+                )
                 _register_fakes()
+                if (used := torch.ops.raylane_cpu.parallel_threads()) < torch.get_num_threads():
+                    logger.warning(
+                        "raylane's C++ kernels run on %d of torch's %d threads", used, torch.get_num_threads()
+                    )
                 _why_not = None
             except Exception as error:  # noqa: BLE001 - no compiler, no ninja, a failed build: say so
                 _why_not = f"raylane's C++ kernels did not build: {error}"

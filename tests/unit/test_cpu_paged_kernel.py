@@ -165,3 +165,16 @@ def test_the_avx2_build_passes_the_kernels_tests():
     result = subprocess.run(child, env=env, cwd=root, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout
+
+
+def test_the_kernels_run_on_torchs_threads():
+    """ATen's parallel_for runs on the calling thread in code built without OpenMP: the kernels would
+    use one core of a rank's share whatever torch.set_num_threads says (as they did before)."""
+    cpu_kernels.load()
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert torch.ops.raylane_cpu.parallel_threads() == threads
+    finally:
+        torch.set_num_threads(saved)
