@@ -76,38 +76,79 @@ inline __m256i unpack(const uint8_t* w) {
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
 }
 
-// Rows [n0, n1) of out[m, n] for M activation rows. Two accumulators per row, even and odd groups:
-// one would chain every group's multiply-add on the last one's latency.
+// Sums of code * x_q of two groups at once: `codes` is 32 bytes (groups g and g + 1, 16 each), its
+// low nibbles codes 0-15 of each group, its high nibbles codes 16-31; `xq` the two groups'
+// activations as `pair_activations` lays them out. The int32 lanes 0-3 hold group g's partial sums,
+// 4-7 group g + 1's.
+inline __m256i dot_pair(const uint8_t* codes, const int8_t* xq) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+  const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xa), hi, xb);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, xa), hi, xb);
+#else
+  // codes <= 15, x_q in -127..127: two pairs' sums, 2 * 2 * 15 * 127, still fit int16.
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
+}
+
+// Each pair of groups' 64 activations reordered as dot_pair reads them, against the nibbles: codes 0-15
+// of both groups, then codes 16-31 of both. A last odd group keeps its order (the one-group path).
+void pair_activations(std::vector<int8_t>& q, int64_t rows, int64_t k) {
+  int8_t tmp[2 * kGroup];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g + 2 <= k / kGroup; g += 2) {
+      int8_t* x = q.data() + r * k + g * kGroup;
+      std::copy(x, x + 2 * kGroup, tmp);
+      std::copy(tmp, tmp + 16, x);
+      std::copy(tmp + 32, tmp + 48, x + 16);
+      std::copy(tmp + 16, tmp + 32, x + 32);
+      std::copy(tmp + 48, tmp + 64, x + 48);
+    }
+}
+
+// Rows [n0, n1) of out[m, n] for M activation rows, the activations paired (pair_activations).
+// Per row the groups' scales times the activations' are computed 8 at a time into `dd` first; two
+// accumulators per activation row, alternate pairs of groups, so each multiply-add waits on the
+// one two pairs back, not the last.
 template <int M>
 void rows_int4(const int8_t* xq, const float* xd, const float* xs, const uint8_t* codes, const c10::Half* scale,
-          const c10::Half* minimum, float* out, int64_t k, int64_t n, int64_t n0, int64_t n1) {
+               const c10::Half* minimum, float* out, int64_t k, int64_t n, int64_t n0, int64_t n1, float* dd) {
   const int64_t groups = k / kGroup;
+  const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   for (int64_t row = n0; row < n1; ++row) {
     const uint8_t* w = codes + row * (k / 2);
     const c10::Half* ws = scale + row * groups;
+    for (int m = 0; m < M; ++m) {
+      int64_t g = 0;
+      for (; g + 8 <= groups; g += 8) {
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + g)));
+        _mm256_storeu_ps(dd + m * groups + g, _mm256_mul_ps(s, _mm256_loadu_ps(xd + m * groups + g)));
+      }
+      for (; g < groups; ++g) dd[m * groups + g] = half(ws[g]) * xd[m * groups + g];
+    }
     __m256 acc[2][M];
     for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
     int64_t g = 0;
     for (; g + 2 <= groups; g += 2) {
-      const __m256i w0 = unpack(w + g * 16), w1 = unpack(w + g * 16 + 16);
-      const float d0 = half(ws[g]), d1 = half(ws[g + 1]);
       for (int m = 0; m < M; ++m) {
-        const int8_t* x = xq + m * k + g * kGroup;
-        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + kGroup));
-        acc[0][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(w0, x0)),
-                                    _mm256_set1_ps(d0 * xd[m * groups + g]), acc[0][m]);
-        acc[1][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(w1, x1)),
-                                    _mm256_set1_ps(d1 * xd[m * groups + g + 1]), acc[1][m]);
+        const __m256i dot = dot_pair(w + g * 16, xq + m * k + g * kGroup);
+        const __m128 pair = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dd + m * groups + g)));
+        const __m256 d = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair), spread);
+        acc[(g >> 1) & 1][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[(g >> 1) & 1][m]);
       }
     }
     if (g < groups) {
       const __m256i w0 = unpack(w + g * 16);
-      const float d0 = half(ws[g]);
       for (int m = 0; m < M; ++m) {
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * k + g * kGroup));
-        acc[0][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(w0, x0)),
-                                    _mm256_set1_ps(d0 * xd[m * groups + g]), acc[0][m]);
+        acc[0][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(w0, x0)), _mm256_set1_ps(dd[m * groups + g]),
+                                    acc[0][m]);
       }
     }
     for (int m = 0; m < M; ++m)
@@ -208,7 +249,8 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
               "shapes");
   auto out = at::empty({x.size(0), n}, x.options());
 #ifdef RAYLANE_HAS_GEMV
-  const Quantized xq = quantize(x);
+  Quantized xq = quantize(x);
+  pair_activations(xq.q, x.size(0), k);
   const auto* wc = codes.data_ptr<uint8_t>();
   const auto* ws = scale.data_ptr<c10::Half>();
   const auto* wm = minimum.data_ptr<c10::Half>();
@@ -216,8 +258,9 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   passes(x.size(0), [&](auto rows_here, int64_t m0) {
     constexpr int M = decltype(rows_here)::value;
     at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+      std::vector<float> dd(M * groups);
       rows_int4<M>(xq.q.data() + m0 * k, xq.scale.data() + m0 * groups, xq.sum.data() + m0 * groups, wc, ws,
-                   wm, o + m0 * n, k, n, n0, n1);
+                   wm, o + m0 * n, k, n, n0, n1, dd.data());
     });
   });
 #endif

@@ -234,15 +234,16 @@ def test_int4_kernel_and_dense_paths_agree():
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])  # 9: the kernel's passes of 4 rows, and a remainder
-def test_raylanes_int4_kernel_multiplies_int8_activations_as_llama_cpp_does(rows):
+@pytest.mark.parametrize("width", [192, 224])  # 224: 7 groups, the kernel's pairs and a last one alone
+def test_raylanes_int4_kernel_multiplies_int8_activations_as_llama_cpp_does(rows, width):
     """raylane's kernel quantizes each group of 32 activations to int8 (scale max|x| / 127) and
     multiplies exactly: equal, to float32 rounding, to that product computed here in float64 from
     the weight's codes and float16 scales. An outlier channel, as LLM activations have, makes the
     quantization coarse for its groups."""
     g = torch.Generator().manual_seed(6)
-    int4 = Int4Weight(torch.randn(80, 192, generator=g) * 0.05)
+    int4 = Int4Weight(torch.randn(80, width, generator=g) * 0.05)
     assert int4.kernel == "raylane" and int4.packed is None  # one copy of the codes
-    x = torch.randn(rows, 192, generator=g)
+    x = torch.randn(rows, width, generator=g)
     x[:, 7] *= 40
     weight = dequantize_int4(
         unpack_rows(int4.rows), int4.scale_f16.float(), int4.minimum_f16.float()
