@@ -169,7 +169,7 @@ def test_the_avx2_build_passes_the_kernels_tests():
 
 def test_the_kernels_run_on_torchs_threads():
     """ATen's parallel_for runs on the calling thread in code built without OpenMP: the kernels would
-    use one core of a rank's share whatever torch.set_num_threads says (as they did before)."""
+    use one core of a rank's share whatever torch.set_num_threads says."""
     cpu_kernels.load()
     saved = torch.get_num_threads()
     try:
