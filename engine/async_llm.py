@@ -117,7 +117,12 @@ class AsyncLLM:
         priority's slots between tenants). `lora_request`: the adapter to run it with."""
         request_id = request_id or uuid.uuid4().hex
         delta = sampling_params is not None and sampling_params.output_kind == RequestOutputKind.DELTA
-        stream = RequestOutputCollector(asyncio.get_running_loop(), delta, self.config.stream_interval)
+        stream = RequestOutputCollector(
+            asyncio.get_running_loop(),
+            delta,
+            self.config.stream_interval,
+            self.config.stream_batching_interval_ms / 1000,
+        )
         if not self._streams:  # an idle engine's silence so far is not a stall
             self._last_event = time.monotonic()
         self._streams[request_id] = stream

@@ -169,7 +169,11 @@ class RequestTracker:
         if new > 0:
             m.generation_tokens.labels(**labels).inc(new)
             if self.delta and self.last_token_at is not None:
-                m.itl.labels(**labels).observe(now - self.last_token_at)
+                # An output may carry several tokens (merged for a slow reader, or batched by the
+                # engine's stream_batching_interval_ms): its gap is spread over them, once per token.
+                itl = m.itl.labels(**labels)
+                for _ in range(new):
+                    itl.observe((now - self.last_token_at) / new)
             self.last_token_at = now
         if out.finished:
             self._finish(out.metrics.get("e2e_latency"))

@@ -143,7 +143,7 @@ async def test_a_consumer_that_falls_behind_gets_the_piled_up_deltas_as_one(llam
 
     from raylane.engine import RequestOutputKind
 
-    engine = AsyncLLM(model=llama, num_kv_blocks=64)
+    engine = AsyncLLM(model=llama, num_kv_blocks=64, stream_batching_interval_ms=0)
     params = SamplingParams(
         temperature=0, max_tokens=40, ignore_eos=True, logprobs=2, output_kind=RequestOutputKind.DELTA
     )
@@ -177,7 +177,9 @@ async def test_stream_interval_sends_fewer_bigger_deltas_with_the_same_tokens(ll
     )
     streams = []
     for interval in (1, 4):
-        engine = AsyncLLM(model=llama, num_kv_blocks=64, stream_interval=interval)
+        engine = AsyncLLM(
+            model=llama, num_kv_blocks=64, stream_interval=interval, stream_batching_interval_ms=0
+        )
         deltas = [out.outputs[0] async for out in engine.generate(random_prompt(12, 10), params)]
         engine.shutdown()
         streams.append(deltas)
@@ -189,6 +191,30 @@ async def test_stream_interval_sends_fewer_bigger_deltas_with_the_same_tokens(ll
     assert len(chunked) <= 2 + 18 // 4 and chunked[-1].finish_reason == "length"
     assert [t for d in chunked for t in d.token_ids] == [t for d in every for t in d.token_ids]
     assert "".join(d.text for d in chunked) == "".join(d.text for d in every)
+
+
+async def test_a_batching_interval_sends_a_fast_engines_tokens_at_most_once_per_interval(llama):
+    """`stream_batching_interval_ms=100`: after the first output, at most one per 100 ms until the
+    last, adding up to exactly the tokens and text of an every-step stream."""
+    from raylane.engine import RequestOutputKind
+
+    params = SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    loop = asyncio.get_running_loop()
+    streams = []
+    for interval_ms in (0, 100):
+        engine = AsyncLLM(model=llama, num_kv_blocks=64, stream_batching_interval_ms=interval_ms)
+        start = loop.time()
+        deltas = [out.outputs[0] async for out in engine.generate(random_prompt(12, 11), params)]
+        streams.append((deltas, loop.time() - start))
+        engine.shutdown()
+    (every, _), (batched, elapsed) = streams
+    # Each output between the first and the last went out 100 ms or more after the one before it.
+    assert len(batched) - 2 <= elapsed / 0.1, (len(batched), elapsed)
+    assert batched[-1].finish_reason == "length"
+    assert [t for d in batched for t in d.token_ids] == [t for d in every for t in d.token_ids]
+    assert "".join(d.text for d in batched) == "".join(d.text for d in every)
 
 
 def first_output_steps(engine: LLMEngine) -> dict[str, int]:

@@ -66,6 +66,37 @@ async def test_stream_interval_holds_small_deltas_until_enough_tokens_or_the_end
     assert (await stream.get()).outputs[0].token_ids == [5]  # the last goes out however small
 
 
+async def test_a_batching_interval_sends_what_a_fast_engine_made_in_it_as_one_output():
+    loop = asyncio.get_running_loop()
+    stream = RequestOutputCollector(loop, True, batching_interval_s=0.2)
+    before = loop.time()
+    stream.put(delta([1]))
+    assert (await stream.get()).outputs[0].token_ids == [1]  # the first token goes out at once
+    for token in (2, 3, 4):
+        stream.put(delta([token]))
+        await asyncio.sleep(0)
+    assert (await stream.get()).outputs[0].token_ids == [2, 3, 4]
+    assert loop.time() >= before + 0.2  # not before the interval since the first went out
+
+
+async def test_the_last_output_and_a_failure_do_not_wait_for_the_batching_interval():
+    stream = RequestOutputCollector(asyncio.get_running_loop(), True, batching_interval_s=60)
+    stream.put(delta([1]))
+    await stream.get()
+    stream.put(delta([2]))
+    stream.put(delta([3], finished=True))
+    last = await asyncio.wait_for(stream.get(), 10)
+    assert last.finished and last.outputs[0].token_ids == [2, 3]
+    failing = RequestOutputCollector(asyncio.get_running_loop(), True, batching_interval_s=60)
+    failing.put(delta([1]))
+    await failing.get()
+    failing.put(delta([2]))
+    failing.put(EngineDeadError("engine is shut down"))
+    assert (await asyncio.wait_for(failing.get(), 10)).outputs[0].token_ids == [2]
+    with pytest.raises(EngineDeadError):
+        await failing.get()
+
+
 async def test_a_failure_ends_the_stream_after_the_outputs_made_before_it():
     stream = collector(interval=4)
     stream.put(delta([1]))

@@ -72,7 +72,10 @@ def test_stop_string_trims_the_text(llm):
 
 
 async def test_streamed_deltas_add_up_to_the_offline_text(demo_models, llm):
-    engine = AsyncLLM(model=str(demo_models["raylane-llama-tiny"]), num_kv_blocks=64)
+    # Every step's tokens as they come: the tiny model's 30 steps fit in one batching interval.
+    engine = AsyncLLM(
+        model=str(demo_models["raylane-llama-tiny"]), num_kv_blocks=64, stream_batching_interval_ms=0
+    )
     params = SamplingParams(
         temperature=0, max_tokens=30, ignore_eos=True, output_kind=RequestOutputKind.DELTA
     )

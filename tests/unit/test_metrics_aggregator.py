@@ -1,6 +1,8 @@
 """The aggregate that `/metrics` serves: totals that never go backwards when replicas come and go,
 reports applied at most once, gauges per live replica, and vLLM-style per-request recording."""
 
+import pytest
+
 from raylane.deployments.metrics.aggregator import MetricsAggregator, render
 from raylane.deployments.metrics.pool import MeteredLLM, PoolMetrics, RequestTracker
 from raylane.engine.outputs import CompletionOutput, RequestOutput
@@ -50,10 +52,12 @@ def test_a_replica_that_goes_away_keeps_its_counts_in_the_totals():
 
 
 def test_a_streamed_request_is_recorded_like_vllm():
-    metrics = PoolMetrics("chat", "m")
-    tracker = RequestTracker(metrics, delta=True)
+    metrics, clock = PoolMetrics("chat", "m"), Clock()
+    tracker = RequestTracker(metrics, delta=True, clock=clock)
     tracker.observe(output([5]))
-    tracker.observe(output([6, 7]))
+    clock.now += 0.06
+    tracker.observe(output([6, 7]))  # two steps' tokens in one output (batched, or a slow reader)
+    clock.now += 0.03
     tracker.observe(output([8], reason="stop", e2e=0.5))
     tracker.close()  # after the finished output: nothing more
     aggregator = MetricsAggregator()
@@ -64,7 +68,11 @@ def test_a_streamed_request_is_recorded_like_vllm():
     ttft = "raylane_time_to_first_token_seconds"
     assert total(aggregator, ttft, f"{ttft}_count") == 1
     itl = "raylane_inter_token_latency_seconds"
-    assert total(aggregator, itl, f"{itl}_count") == 2  # between the three token-bearing outputs
+    # One gap per token after the first, as vLLM records a step's: the merged output's 60 ms is two
+    # 30 ms gaps, not one 60 ms gap.
+    assert total(aggregator, itl, f"{itl}_count") == 3
+    assert total(aggregator, itl, f"{itl}_sum") == pytest.approx(0.09)
+    assert total(aggregator, itl, f"{itl}_bucket", le="0.05") == 3
     summary = tracker.summary  # what the pool sends the gateway with the last item
     assert (summary.prompt_tokens, summary.completion_tokens, summary.finish_reason) == (3, 4, "stop")
 
