@@ -49,7 +49,11 @@ THINK_RE = r"<think>\nTwo and two make four\.\n</think>\n\nFour\."
 
 @pytest.fixture(scope="module")
 def llm(demo_models):
-    engine = AsyncLLM(model=str(demo_models["raylane-llama-tiny"]), num_kv_blocks=128)
+    # Every step's tokens in an item of their own (no stream batching): the tiny model's whole answer
+    # would otherwise fit in one or two items, leaving no place to cut it.
+    engine = AsyncLLM(
+        model=str(demo_models["raylane-llama-tiny"]), num_kv_blocks=128, stream_batching_interval_ms=0
+    )
     yield MeteredLLM(engine, PoolMetrics("chat", "m"))  # as the pool runs it
     engine.shutdown()
 
