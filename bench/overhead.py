@@ -332,6 +332,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stream-interval", type=int, help="set the pool's engine.stream_interval (both sides run it)"
     )
     parser.add_argument(
+        "--stream-batching-interval-ms",
+        type=float,
+        help="set the pool's engine.stream_batching_interval_ms (both sides run it)",
+    )
+    parser.add_argument(
         "--engine-core",
         choices=("auto", "thread", "process"),
         help="set the pool's engine.engine_core (both sides run it)",
@@ -357,7 +362,11 @@ def run(args: argparse.Namespace) -> int:
     if pool is None:
         print(f"raylane bench overhead: no pool {args.pool!r} in the config", file=sys.stderr)
         return 1
-    engine = {"stream_interval": args.stream_interval, "engine_core": args.engine_core}
+    engine = {
+        "stream_interval": args.stream_interval,
+        "stream_batching_interval_ms": args.stream_batching_interval_ms,
+        "engine_core": args.engine_core,
+    }
     if engine := {k: v for k, v in engine.items() if v is not None}:  # the config is read-only: copies
         pool = pool.model_copy(update={"engine": pool.engine.model_copy(update=engine)})
         pools = [pool if p.name == pool.name else p for p in config.pools]
