@@ -4,7 +4,7 @@ tests/integration/test_bench_live.py)."""
 
 import pytest
 
-from raylane.bench.report import ReportError, replace_marked
+from raylane.bench.report import ReportError, measured, replace_marked
 from raylane.bench.report_markdown import full_markdown, summary_markdown
 
 
@@ -202,3 +202,10 @@ def test_the_replica_affinity_part_reports_its_three_goals():
     assert "| mean TTFT, Serve's router / raylane's | >= 1.5x | 1.33x | **NOT met** |" in summary
     assert "| 2 replicas, Serve's default router | 0.50 | 0.59x | 4,000 | 400 ms |" in full
     assert "6. Replica affinity" not in summary.split("Not measured in this run:")[-1]
+
+
+def test_a_part_that_meters_its_own_other_load_keeps_that_figure():
+    """The affinity part starts and stops a Ray of its own: metered across that teardown, its workers'
+    CPU (unreaped by this process tree) reads as other processes' load (85% in a quiet run)."""
+    assert measured("affinity", lambda: {"goals": {}, "other_load": 0.01})["other_load"] == 0.01
+    assert "other_load" in measured("sweep", lambda: {"points": []})  # the part's meter, where it has none
