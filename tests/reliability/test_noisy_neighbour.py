@@ -179,7 +179,7 @@ async def slow_reader(http: httpx2.AsyncClient) -> tuple[int, str | None]:
 # the test reports the ratio and holds them to the 5 s bound only. The attacker's 2 streams at a
 # time (pool flood, slow readers) are held to 2 since streams are batched (the engine's
 # stream_batching_interval_ms): each then costs serving one chunk per 50 ms, not one per token, and
-# the victim's p95 under them went from 1.3-2.2x before (on both CPUs) to 1.0-1.3x over five runs on
+# the victim's p95 under them went from 1.3-2.2x before (on both CPUs) to 1.0-1.3x over six runs on
 # an Intel Xeon.
 BOUND: dict[str, float | None] = {
     "pathological text via auto": 2,
