@@ -9,6 +9,8 @@ step that fails leaves the engine dead: every later step and `check_health()` ra
 """
 
 import itertools
+import logging
+import threading
 import time
 import weakref
 
@@ -30,6 +32,8 @@ from raylane.engine.spec_decode import RejectionSampler, SpecDecodeStats, make_p
 from raylane.engine.tokenizer import eos_token_ids, load_tokenizer
 from raylane.models.decoder import sliding_window_of
 from raylane.parallel.lora import check_adapter
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -76,6 +80,14 @@ class LLMEngine:
         self.spec_decode_stats = SpecDecodeStats()
         self.output_processor = OutputProcessor(self.tokenizer)
         self._structured = None
+        self._structured_lock = threading.Lock()
+        if self.tokenizer is not None:
+            # Now, beside the rest of the startup, rather than for the first request with a grammar:
+            # importing xgrammar and reading the vocabulary held the step loop ~70 ms with the demo
+            # model's 4,096 tokens, a stall of every stream on the replica (test_noisy_neighbour).
+            threading.Thread(
+                target=self._prepare_structured_output, daemon=True, name="xgrammar-init"
+            ).start()
         self._ids = itertools.count()
         self._lora_paths: dict[int, str] = {}  # adapter id -> its directory, once validated
 
@@ -211,15 +223,25 @@ class LLMEngine:
 
     @property
     def structured_output(self):
-        if self._structured is None:
-            from raylane.engine.structured_output import StructuredOutputManager
+        return self._structured or self._build_structured_output()
 
-            if self.tokenizer is None:
-                raise ValueError("structured: grammar-constrained decoding needs a tokenizer")
-            self._structured = StructuredOutputManager(
-                self.tokenizer, self.vocab_size, stop_token_ids=sorted(self.eos_token_ids)
-            )
-        return self._structured
+    def _build_structured_output(self):
+        with self._structured_lock:  # a request that comes before the startup thread is done waits
+            if self._structured is None:
+                from raylane.engine.structured_output import StructuredOutputManager
+
+                if self.tokenizer is None:
+                    raise ValueError("structured: grammar-constrained decoding needs a tokenizer")
+                self._structured = StructuredOutputManager(
+                    self.tokenizer, self.vocab_size, stop_token_ids=sorted(self.eos_token_ids)
+                )
+            return self._structured
+
+    def _prepare_structured_output(self) -> None:
+        try:
+            self._build_structured_output()
+        except Exception as e:  # the first request with a grammar meets it again, as its error
+            logger.warning("structured output is not available: %r", e)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output."""

@@ -39,3 +39,18 @@ def count_tokens(texts: list[str]) -> list[int]:
     model = _model()
     encoded = model.tokenizer(texts, truncation=True, max_length=model.max_seq_length)
     return [len(ids) for ids in encoded["input_ids"]]
+
+
+def start_worker() -> None:
+    """The initializer of a process that computes embeddings (the gateway's bounded worker): torch on
+    one thread (the worker runs on what the cores leave; a second thread would spin-wait on them) and
+    the model loaded before the first call."""
+    import torch
+
+    torch.set_num_threads(1)
+    _model()
+
+
+def embed_with_counts(texts: list[str]) -> tuple[np.ndarray, list[int]]:
+    """`embed` and `count_tokens` of `texts`, in one call to the worker."""
+    return embed(texts), count_tokens(texts)

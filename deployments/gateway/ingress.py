@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from raylane.bounded_worker import BoundedWorker, WorkerBusy, WorkerTimeout, start_forkserver
+from raylane.bounded_worker import BoundedWorker, WorkerBusy, WorkerStarved, WorkerTimeout, start_forkserver
 from raylane.config import ClusterConfig
 from raylane.config.batch import BATCH_TIER, batch_tier
 from raylane.deployments import live_config
@@ -39,7 +39,7 @@ from raylane.deployments.gateway.affinity import ConversationAffinity
 from raylane.deployments.gateway.batch_api import BatchApi, list_limit, owner, page
 from raylane.deployments.gateway.dispatch import Dispatcher, error_response
 from raylane.deployments.gateway.drain import RETRY_AFTER_S, DrainWatcher
-from raylane.deployments.gateway.embeddings import create_embeddings, return_large_buffers
+from raylane.deployments.gateway.embeddings import EMBEDDINGS_PRELOAD, create_embeddings, return_large_buffers
 from raylane.deployments.gateway.lora_adapters import LoRAAdapters
 from raylane.deployments.gateway.openapi import publish, route_docs
 from raylane.deployments.gateway.pool_health import PoolHealth, pool_deployment_name, serve_liveness
@@ -196,8 +196,9 @@ class Gateway:
         self.lora.loaded = self.lora.read()  # those loaded at run time before this replica started
         # (logs loudly when no API key is configured: open mode)
         self.router = build_router(self.config, self.lora.by_pool())
+        # What its workers import, now rather than for the first request that needs one.
+        start_forkserver(GRAMMAR_PRELOAD + (EMBEDDINGS_PRELOAD if self.config.embeddings.enabled else ()))
         self.grammar_worker: BoundedWorker | None = None  # started by the first request with a grammar
-        start_forkserver(GRAMMAR_PRELOAD)  # what its workers import, now rather than for that request
         self.drain = DrainWatcher(context.app_name, context.replica_id.unique_id)
         period_s, alive = self.config.gateway.pool_health_period_s, serve_liveness(context.app_name)
         self.pool_health = PoolHealth(self.pools, self.router, period_s, alive)
@@ -319,7 +320,7 @@ class Gateway:
 
     async def serve_embeddings(self, principal: Principal, body: bytes, charge: RateCharge) -> Response:
         req = await parse_bytes(body, EmbeddingRequest)
-        response = await create_embeddings(self.config.embeddings, req)
+        response = await create_embeddings(self.config.embeddings, req, principal.key_id)
         # MiniLM's tokenizer reads every byte though the model reads only 256 tokens of an input:
         # settled with its count, never below the body's estimate.
         estimate = len(body) // PROMPT_BYTES_PER_TOKEN
@@ -607,7 +608,8 @@ class Gateway:
         definitions) the checks and builds that can take exponential time run in a bounded worker
         process: past `gateway.grammar_check_timeout_s` the request gets a 400 naming the field and this event
         loop never waited on it; when the worker's queue, or the key's share of it, is full, a 429
-        with Retry-After at once. Without one, here (microseconds)."""
+        with Retry-After at once, and the same when the machine was too busy to give the check its
+        time (WorkerStarved). Without one, here (microseconds)."""
         param = grammar_param(req)
         if param is None:
             return fn(req)
@@ -619,10 +621,9 @@ class Gateway:
             return await self.grammar_worker.run(fn, req, key=principal.key_id)
         except WorkerBusy as e:
             raise OverloadedError(
-                f"Too many requests with a grammar ('{param}') are waiting to be checked: {e}. "
-                "Retry later, or send fewer at once.",
+                f"The grammar in '{param}' cannot be checked now: {e}. Retry later, or send fewer at once.",
                 retry_after=e.retry_after,
-                reason="grammar_queue",
+                reason="grammar_starved" if isinstance(e, WorkerStarved) else "grammar_queue",
             ) from None
         except WorkerTimeout as e:
             raise invalid(

@@ -55,7 +55,7 @@ class _OneRoute:
 
 
 def torch_on_one_thread() -> None:
-    """The gateway's torch work (the classifier, /v1/embeddings) is short inputs: a second thread
+    """The gateway's torch work (the classifier) is short inputs: a second thread
     would spin-wait on shared cores. Called where that work is first set up, so a gateway that has
     none never imports torch."""
     import torch

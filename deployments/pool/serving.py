@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
 
-from raylane.bounded_worker import WorkerBusy
+from raylane.bounded_worker import WorkerBusy, WorkerStarved
 from raylane.deployments.protocol.errors import OpenAIError, from_engine_value_error, invalid, unavailable
 from raylane.deployments.protocol.openai_schemas import PromptTokensDetails, Usage
 from raylane.deployments.protocol.wire import FinalItem, RequestSummary, ResumeState, sse_error
@@ -70,11 +70,10 @@ class OpenAIServing:
             await self.grammar.prepare(params.structured)
         except WorkerBusy as e:
             raise OpenAIError(
-                f"Too many requests with a grammar are being compiled by this model's replica ({e}); "
-                "retry shortly.",
+                f"This model's replica cannot compile the grammar now: {e}. Retry shortly.",
                 status=429,
                 param=param,
-                code="grammar_queue_full",
+                code="server_busy" if isinstance(e, WorkerStarved) else "grammar_queue_full",
                 retry_after=e.retry_after,
             ) from None
         except ValueError as e:

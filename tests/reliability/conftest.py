@@ -118,6 +118,41 @@ def replica_rss_mb(app: str) -> dict[str, float]:
     return out
 
 
+def replica_tree_pss_mb(app: str) -> dict[str, float]:
+    """Memory of each Serve replica of `app` with its child processes (bounded workers, a forkserver,
+    an engine core), keyed by deployment, in MiB: the proportional set size, so that pages a forked
+    worker shares with its forkserver count once between them, and a worker started mid-run adds
+    what it holds of its own, not a second copy of its imports."""
+    from pathlib import Path
+
+    replica = f"ray::ServeReplica:{app}:".encode()
+    owner, parent = {}, {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit():
+                continue
+            title = (proc / "cmdline").read_bytes().split(b"\0")[0]
+            parent[int(proc.name)] = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
+        except OSError:
+            continue
+        if title.startswith(replica):
+            owner[int(proc.name)] = title[len(replica) :].decode().split(".")[0]
+    out: dict[str, float] = {}
+    for pid in parent:
+        node = pid
+        while node in parent and node not in owner:
+            node = parent[node]
+        if node not in owner:
+            continue
+        try:
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+        except OSError:
+            continue
+        pss_kb = next((int(line.split()[1]) for line in rollup if line.startswith("Pss:")), 0)
+        out[owner[node]] = out.get(owner[node], 0.0) + pss_kb / 1024
+    return out
+
+
 def serve_cpu_s(app: str) -> dict[str, float]:
     """CPU seconds (user + system) spent so far by Serve's HTTP proxy and each replica process of
     `app`, keyed `proxy` or by deployment; a replica's child processes (an engine core) count

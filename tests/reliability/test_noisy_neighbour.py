@@ -17,14 +17,13 @@ server, next to what it costs the victim; `rest` is what everything else on the 
 clients, Ray's own processes), `steal` what the VM's host gave to other guests.
 
 Asserted for each class: the victim's p95 latency under 5 s, and within BOUND times its unloaded
-p95 where BOUND gives a factor; no error to the victim (chat or /health); every answer to the
-attacker a 2xx, or a 4xx/429 in OpenAI's error shape with a message; and the gateway's resident
-memory grows by less than 50 MB.
+p95; no error to the victim (chat or /health); every answer to the attacker a 2xx, or a 4xx/429 in
+OpenAI's error shape with a message; and the gateway's memory (its process and its workers, which
+compute embeddings and check grammars: their proportional set size) grows by less than 50 MB.
 """
 
 import asyncio
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -35,7 +34,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from tests.reliability.conftest import deployed, llama_pool, replica_rss_mb, serve_cpu_s
+from tests.reliability.conftest import deployed, llama_pool, replica_tree_pss_mb, serve_cpu_s
 
 APP = "noisy"
 VICTIM_KEY = "rel-nn-victim"
@@ -171,25 +170,17 @@ async def slow_reader(http: httpx2.AsyncClient) -> tuple[int, str | None]:
         return 200, None
 
 
-# The victim's p95 may grow by at most this factor under each class (and never past 5 s): 2, the
-# issue's bound. None where its key's limits let the machine do real CPU work for it outside the
-# pool's steps (its one huge embeddings call a minute, its grammars compiling, niced, 2 at a time):
-# on these 2 cores that work takes CPU the victim's requests share, and the victim's p95 grew up
-# to 2.4x under those classes over seven runs on an AMD EPYC (the grammar flood twice 3.5-4.3x);
-# the test reports the ratio and holds them to the 5 s bound only. The attacker's 2 streams at a
-# time (pool flood, slow readers) are held to 2 since streams are batched (the engine's
-# stream_batching_interval_ms): each then costs serving one chunk per 50 ms, not one per token, and
-# the victim's p95 under them went from 1.3-2.2x before (on both CPUs) to 1.0-1.3x over six runs on
-# an Intel Xeon.
-BOUND: dict[str, float | None] = {
-    "pathological text via auto": 2,
-    "huge bodies": 2,
-    "huge field values": 2,
-    "oversized /tokenize and embeddings": None,
-    "one key flooding a pool": 2,
-    "grammar-compile flood": None,
-    "slow readers": 2,
-}
+# The victim's p95 may grow by at most this factor under each class (and never past 5 s): the
+# issue's bound. Where a key's limits let the machine do real CPU work for it outside the pool's
+# steps (one large embeddings call a minute, a grammar compile), that work runs in a worker process
+# at SCHED_IDLE (raylane/bounded_worker.py): the victim's p95 under those classes was 1.1-1.75x on an
+# Intel Xeon and up to 2.4x (embeddings, then a thread of the gateway sharing its GIL) and 3.5-4.3x
+# (grammars, then niced to 19 against serving's 15) on an AMD EPYC; since, 1.1-1.4x on the Xeon, as
+# under an outside SCHED_IDLE process doing the same MiniLM work (1.2-1.35x: two cores shared).
+# The attacker's 2 streams at a time (pool flood, slow readers) are held since streams are batched
+# (the engine's stream_batching_interval_ms): each costs serving one chunk per 50 ms, not one per
+# token (before: 1.3-2.2x on both CPUs; since: 1.0-1.3x on the Xeon).
+BOUND = 2
 ATTACKS = {
     "pathological text via auto": pathological_auto,
     "huge bodies": huge_body,
@@ -289,21 +280,24 @@ def p95(values: list[float]) -> float:
 
 
 def test_one_key_abusing_the_api_does_not_hurt_another(app, report):
-    # Warm up what a run loads once: the classifier, the pool, the embeddings model (~100 MB, loaded
-    # by the first /v1/embeddings call): the memory bound is on growth, not on first loads.
+    # Warm up what a run loads once: the classifier, the pool, the embeddings worker and its model
+    # (~100 MB, started by the first /v1/embeddings call), the grammar workers (started by the first
+    # grammar): the memory bound is on growth, not on first loads.
     auth = {"Authorization": f"Bearer {VICTIM_KEY}"}
     with httpx2.Client(base_url=app, timeout=60, headers=auth) as http:
         for _ in range(3):
             assert http.post("/v1/chat/completions", json=chat_body()).status_code == 200
         embeddings = {"model": "all-MiniLM-L6-v2", "input": ["warm up"]}
         assert http.post("/v1/embeddings", json=embeddings).status_code == 200
-    rss_before = replica_rss_mb(APP)["Gateway"]
+        json_mode = chat_body(response_format={"type": "json_object"})
+        assert http.post("/v1/chat/completions", json=json_mode).status_code == 200
+    memory_before = replica_tree_pss_mb(APP)["Gateway"]
     victim_process = module_process("--victim", app)
     attacker_process = module_process("--attacker", app)
     windows: dict[str, tuple[float, float]] = {}  # class -> (start, end) monotonic
     unloaded: list[tuple[float, float]] = []
     attacks: dict[str, dict] = {}
-    gateway_rss: dict[str, int] = {}  # class -> the gateway's growth after it, MiB
+    gateway_memory: dict[str, int] = {}  # class -> the gateway's growth after it, MiB
     server_cpu: dict[str, dict[str, float]] = {}  # window -> the server's CPU seconds in it, by process
     try:
         assert attacker_process.stdout.readline().strip() == "ready"
@@ -321,12 +315,12 @@ def test_one_key_abusing_the_api_does_not_hurt_another(app, report):
             attacks[name] = json.loads(attacker_process.stdout.readline())
             windows[name] = (start, time.monotonic())
             server_cpu[name] = cpu_spent(cpu_before)
-            gateway_rss[name] = round(replica_rss_mb(APP)["Gateway"] - rss_before)
+            gateway_memory[name] = round(replica_tree_pss_mb(APP)["Gateway"] - memory_before)
     finally:
         attacker_process.stdin.close()
         samples = json.loads(victim_process.communicate("", timeout=120)[0])
         attacker_process.wait(30)
-    rss_growth = replica_rss_mb(APP)["Gateway"] - rss_before
+    memory_growth = replica_tree_pss_mb(APP)["Gateway"] - memory_before
 
     def latencies(spans, kind="chat") -> list[float]:
         return [s for k, sent, s, _ in samples if k == kind and any(a <= sent < b for a, b in spans)]
@@ -350,7 +344,7 @@ def test_one_key_abusing_the_api_does_not_hurt_another(app, report):
             "victim_p95_ms": f"{base * 1000:.0f} -> {p95(loaded) * 1000:.0f}",
             "victim_requests": len(loaded),
             "attacker_statuses": attacks[name]["statuses"],
-            "gateway_rss_growth_mib": gateway_rss[name],
+            "gateway_memory_growth_mib": gateway_memory[name],
             "server_cpu_s": server_cpu[name],
             "proxy_and_gateway_ms_per_attack": round(1000 * front_cpu / sent),
         }
@@ -363,13 +357,13 @@ def test_one_key_abusing_the_api_does_not_hurt_another(app, report):
     )
     for name, row in rows.items():
         report(f"noisy neighbour: {name}", **row, victim_errors=0)
-    report("noisy neighbour: gateway memory", rss_growth_mib=round(rss_growth))
+    report("noisy neighbour: gateway memory", growth_mib=round(memory_growth))
     for name, row in rows.items():
         assert not attacks[name]["malformed"], (name, attacks[name]["malformed"][:3])
         assert set(map(int, attacks[name]["statuses"])) <= {200, 400, 413, 429}, (name, row)
         loaded = p95(latencies([windows[name]]))
-        assert loaded <= min((BOUND[name] or math.inf) * base, 5.0), (name, BOUND[name], rows)
-    assert rss_growth < 50, rss_growth
+        assert loaded <= min(BOUND * base, 5.0), (name, rows)
+    assert memory_growth < 50, memory_growth
 
 
 if __name__ == "__main__":

@@ -90,3 +90,30 @@ async def test_streamed_deltas_add_up_to_the_offline_text(demo_models, llm):
     assert "".join(deltas) == offline.text
     assert tokens == offline.token_ids
     assert len(deltas) > 5  # really streamed, not one final chunk
+
+
+def test_the_grammar_machinery_is_built_while_the_engine_starts_not_by_the_first_grammar(
+    demo_models, monkeypatch
+):
+    """Importing xgrammar and reading the vocabulary happen on a thread of their own while the engine
+    starts. Built by the step that admits the first request with a grammar, they stalled every other
+    stream on the replica (~70 ms with this model's 4,096 tokens; test_noisy_neighbour's victim)."""
+    import threading
+
+    from raylane.engine.structured_output import StructuredOutputManager
+
+    built_on = []
+    init = StructuredOutputManager.__init__
+
+    def recording_init(self, *args, **kwargs):
+        built_on.append(threading.current_thread().name)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(StructuredOutputManager, "__init__", recording_init)
+    llm = LLM(str(demo_models["raylane-llama-tiny"]), num_kv_blocks=64)
+    for thread in threading.enumerate():
+        if thread.name == "xgrammar-init":
+            thread.join()
+    out = llm.generate("{", SamplingParams(temperature=0, max_tokens=100, structured={"json_object": True}))
+    assert isinstance(json.loads(out[0].outputs[0].text), dict)
+    assert built_on == ["xgrammar-init"]  # once, before the request, and not on the step loop

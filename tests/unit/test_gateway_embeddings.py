@@ -1,14 +1,16 @@
-"""/v1/embeddings in the gateway (the real MiniLM): one thread computes them for every key, so a call
+"""/v1/embeddings in the gateway (the real MiniLM): one worker process computes them for every key, so a call
 of many texts takes it turn by turn and a call from another key is answered between two turns."""
 
 import asyncio
 
 import numpy as np
+import pytest
 
 from raylane.config import EmbeddingsConfig
-from raylane.deployments.gateway.embeddings import TURN_TEXTS, create_embeddings
+from raylane.deployments.gateway.embeddings import MAX_CALLS_PER_KEY, TURN_TEXTS, create_embeddings
 from raylane.deployments.protocol.openai_schemas import EmbeddingRequest
 from raylane.router import embeddings
+from raylane.router.errors import OverloadedError
 
 
 def test_a_small_call_is_answered_between_the_turns_of_a_large_one():
@@ -30,3 +32,27 @@ def test_a_small_call_is_answered_between_the_turns_of_a_large_one():
     assert [d.index for d in large_answer.data] == list(range(len(texts)))
     assert large_answer.usage.prompt_tokens == sum(embeddings.count_tokens(texts))
     np.testing.assert_allclose(small_answer.data[0].embedding, embeddings.embed([small.input])[0], atol=1e-5)
+
+
+def test_one_key_holds_at_most_two_calls_in_the_queue_and_another_key_still_gets_in():
+    """A third call from a key with two calls queued is the client's 429 with Retry-After at once,
+    not a wait behind its own flood; another key's call is answered."""
+    cfg = EmbeddingsConfig()
+    large = EmbeddingRequest(
+        model=cfg.model_id, input=["a long sentence about the weather " * 8] * TURN_TEXTS * 3
+    )
+    small = EmbeddingRequest(model=cfg.model_id, input="a question")
+
+    async def main():
+        flood = [asyncio.create_task(create_embeddings(cfg, large, "A")) for _ in range(MAX_CALLS_PER_KEY)]
+        await asyncio.sleep(0)  # both have their first turn queued
+        with pytest.raises(OverloadedError) as refused:
+            await create_embeddings(cfg, small, "A")
+        other = await create_embeddings(cfg, small, "B")
+        await asyncio.gather(*flood)
+        return refused.value, other
+
+    refused, other = asyncio.run(main())
+    assert refused.status == 429 and "for this API key" in str(refused)
+    assert int(refused.headers()["retry-after"]) > 0
+    assert len(other.data) == 1
