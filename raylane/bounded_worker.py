@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import gc
 import logging
 import multiprocessing
@@ -185,6 +186,10 @@ class BoundedWorker:
 
 
 CPU_POLL_S = 0.05  # how often a waiting call reads its worker's CPU time
+try:
+    _libc = ctypes.CDLL("libc.so.6")
+except OSError:  # not glibc: nothing to trim
+    _libc = None
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -264,3 +269,6 @@ def _serve(conn, initializer, initargs) -> None:
             conn.send(result)
         except Exception:  # a result or exception that does not pickle: its text
             conn.send((False, RuntimeError(f"{type(result[1]).__name__}: {result[1]}")))
+        del result
+        if _libc is not None:  # glibc keeps what a call freed (MiniLM's activations) unless asked
+            _libc.malloc_trim(0)

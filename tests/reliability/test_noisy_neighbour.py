@@ -281,13 +281,14 @@ def p95(values: list[float]) -> float:
 
 def test_one_key_abusing_the_api_does_not_hurt_another(app, report):
     # Warm up what a run loads once: the classifier, the pool, the embeddings worker and its model
-    # (~100 MB, started by the first /v1/embeddings call), the grammar workers (started by the first
-    # grammar): the memory bound is on growth, not on first loads.
+    # (~100 MB, started by the first /v1/embeddings call, here with one turn of long texts as the
+    # attack's), the grammar workers (started by the first grammar): the memory bound is on growth,
+    # not on first loads.
     auth = {"Authorization": f"Bearer {VICTIM_KEY}"}
     with httpx2.Client(base_url=app, timeout=60, headers=auth) as http:
         for _ in range(3):
             assert http.post("/v1/chat/completions", json=chat_body()).status_code == 200
-        embeddings = {"model": "all-MiniLM-L6-v2", "input": ["warm up"]}
+        embeddings = {"model": "all-MiniLM-L6-v2", "input": ["warm up " * 200] * 32}
         assert http.post("/v1/embeddings", json=embeddings).status_code == 200
         json_mode = chat_body(response_format={"type": "json_object"})
         assert http.post("/v1/chat/completions", json=json_mode).status_code == 200
