@@ -84,8 +84,8 @@ class LLMEngine:
         if self.tokenizer is not None:
             # Now, beside the rest of the startup, rather than for the first request with a grammar:
             # importing xgrammar and reading the vocabulary held the step loop ~70 ms with the demo
-            # model's 4,096 tokens, a stall of every stream on the replica (another key's requests
-            # beside a replica's first grammar took 168-187 ms, against 53 ms unloaded).
+            # model's 4,096 tokens, a stall of every stream on the replica (in a throwaway probe,
+            # another key's requests beside a replica's first grammar took 168-187 ms, against 53).
             threading.Thread(
                 target=self._prepare_structured_output, daemon=True, name="xgrammar-init"
             ).start()
