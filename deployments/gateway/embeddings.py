@@ -95,9 +95,9 @@ async def _take_turns(texts: list[str], key: str) -> tuple[np.ndarray, list[int]
 def _worker() -> BoundedWorker:
     """A process of its own, below serving (SCHED_IDLE): a client's 2,048 texts take seconds of a core,
     which the requests of every other key passing through this gateway need first. In a thread of the
-    gateway, niced, the embeddings still held the gateway's GIL between torch's ops, and the
-    gateway's event loop waited on a thread the scheduler had put last (test_noisy_neighbour: the
-    victim's p95 1.3-1.5x, up to 2.4x on an AMD EPYC, under one key's large embeddings calls)."""
+    gateway, niced, the embeddings held the gateway's GIL between torch's ops, which the event loop
+    serving every other key needs (test_noisy_neighbour: the victim's p95 1.3-1.5x, up to 2.4x on an
+    AMD EPYC, under one key's large embeddings calls)."""
     global _embeddings_worker
     if _embeddings_worker is None:
         _embeddings_worker = BoundedWorker(

@@ -175,8 +175,9 @@ async def slow_reader(http: httpx2.AsyncClient) -> tuple[int, str | None]:
 # steps (one large embeddings call a minute, a grammar compile), that work runs in a worker process
 # at SCHED_IDLE (raylane/bounded_worker.py): the victim's p95 under those classes was 1.1-1.75x on an
 # Intel Xeon and up to 2.4x (embeddings, then a thread of the gateway sharing its GIL) and 3.5-4.3x
-# (grammars, then niced to 19 against serving's 15) on an AMD EPYC; since, 1.1-1.4x on the Xeon, as
-# under an outside SCHED_IDLE process doing the same MiniLM work (1.2-1.35x: two cores shared).
+# (grammars, then niced to 19 against serving's 15) on an AMD EPYC; since, 1.15-1.5x on the Xeon
+# over eight runs, about what an outside SCHED_IDLE process doing the same MiniLM work costs (1.23x,
+# one run).
 # The attacker's 2 streams at a time (pool flood, slow readers) are held since streams are batched
 # (the engine's stream_batching_interval_ms): each costs serving one chunk per 50 ms, not one per
 # token (before: 1.3-2.2x on both CPUs; since: 1.0-1.3x on the Xeon).
