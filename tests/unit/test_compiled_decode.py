@@ -31,6 +31,15 @@ from tests.unit.test_quantization import llama_demo as llama_demo  # a fixture t
 BATCHES = (1, 3, BATCH_COPY_MIN_ROWS + 2)  # one row, the int4 kernel's rows, the batch copy's rows
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test's engine compiles the same model code: without a reset, the graphs of earlier tests
+    count against dynamo's recompile limit, and a later engine silently decodes eagerly."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def runner(path: str, **settings) -> ModelRunner:
     config = EngineConfig(model=path, num_kv_blocks=64, block_size=16, max_num_seqs=8, **settings)
     made = ModelRunner(config)
@@ -94,6 +103,45 @@ def test_no_decode_batch_waits_for_a_compile(llama_demo, monkeypatch):
     params = [SamplingParams(temperature=0, max_tokens=2 + i, ignore_eos=True) for i in range(7)]
     outputs = llm.generate(sequences(7, seed=3), params)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [2 + i for i in range(7)]
+
+
+@pytest.mark.parametrize("attention", ["cpu_paged", "torch"])
+def test_a_context_within_one_block_decodes_on_the_compiled_graphs(llama_demo, monkeypatch, attention):
+    """A short prompt (a completion of "Hi") keeps its whole context in one KV block: its block table
+    has one column, a size torch.compile never makes symbolic. That step must run a graph compiled at
+    start-up (a recompile is made an error here); before, with guards skipped, it raised and stopped
+    the engine, and every request on the replica with it."""
+    monkeypatch.setattr(CompiledDecode, "SERVING_STANCE", "fail_on_recompile")
+    llm = LLM(llama_demo, num_kv_blocks=64, block_size=16, torch_compile=True, attention_backend=attention)
+    assert llm.engine.runner.compiled is not None
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    got = llm.generate([[5, 6, 7], [8, 9], [10] * 12], params)  # contexts of 3 to 17 tokens: 1 and 2 blocks
+    want = LLM(llama_demo, num_kv_blocks=64, block_size=16, attention_backend=attention).generate(
+        [[5, 6, 7], [8, 9], [10] * 12], params
+    )
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_a_step_that_needs_a_new_graph_runs_eagerly(llama_demo, monkeypatch, caplog):
+    """Should a decode batch still meet a shape no start-up graph covers, that step runs eagerly (a
+    compile would stall every stream for seconds) and the engine goes on."""
+
+    def small_batch_graphs_only(self):  # the graphs of 1 and of 2-4 rows, none from the batch copy's 5
+        for rows in (1, 2):
+            table = [self.scratch_block] * 3
+            self._forward([0] * rows, [2 * self.block_size + 2] * rows, [table] * rows, [35] * rows)
+        return 0.0
+
+    monkeypatch.setattr(CompiledDecode, "warm_up", small_batch_graphs_only)
+    settings = dict(quantization="int4", cpu_batch_weight_copy=True)
+    llm = LLM(llama_demo, num_kv_blocks=64, block_size=16, torch_compile=True, **settings)
+    prompts = sequences(6, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with caplog.at_level(logging.WARNING, logger="raylane.engine.compiled_decode"):
+        got = llm.generate(prompts, params)  # decode batches of six rows: no graph for them
+    want = LLM(llama_demo, num_kv_blocks=64, block_size=16, **settings).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert "no graph compiled at start-up fits this decode batch" in caplog.text
 
 
 def test_a_model_that_does_not_compile_decodes_eagerly(llama_demo, monkeypatch, caplog):
