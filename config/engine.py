@@ -149,9 +149,10 @@ class EngineConfig(StrictModel):
         ge=0,
         le=1000,
         description="Streamed outputs after the first go out at most once per this interval, each with every "
-        "token made since the last (the last output goes out at once): serving's CPU per stream is then "
-        "bounded by the interval, not by the step rate (Ray Serve LLM's stream_batching_interval_ms; 0 sends "
-        "every step's tokens as they come).",
+        "token made since the last (the last output goes out at once; the engine core hands them over at the "
+        "end of the first step past the interval, so a token can wait up to one step longer): serving's CPU "
+        "per stream is then bounded by the interval, not by the step rate (Ray Serve LLM's "
+        "stream_batching_interval_ms; 0 sends every step's tokens as they come).",
     )
     seed: int = Field(0, description="Seed of the engine's generator for requests without their own seed.")
     engine_core: Literal["auto", "thread", "process"] = Field(

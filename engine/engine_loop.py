@@ -6,12 +6,19 @@
 `receive(block)` returns the commands that arrived (waiting for at least one when `block`: the
 engine has nothing to do); `emit(events)` gets the events of one pass, in order: the answers to
 that pass's commands, then the step's `Outputs`.
+
+A request's outputs between its first and its last are held back until `hold_s` has passed since
+its previous one was emitted (the engine's `stream_batching_interval_ms`): its consumer sends at
+most one output per interval anyway (`RequestOutputCollector`), and an emitted output costs the
+serving side a wake-up of its reader and of its event loop. At one stream those wake-ups came
+every step and took CPU from the step's own threads (bench/README.md, "Two threads a side").
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -32,6 +39,7 @@ from raylane.engine.errors import EngineDeadError
 
 if TYPE_CHECKING:  # the serving side of a core process imports this module, never the model
     from raylane.engine.llm_engine import LLMEngine
+    from raylane.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -59,21 +67,58 @@ class EngineLoop:
         self._receive = receive
         self._emit = emit
         self._stopped = False
+        self.hold_s = engine.config.stream_batching_interval_ms / 1000
+        self._held: dict[str, list[RequestOutput]] = {}  # request id -> outputs not emitted yet
+        self._emitted_at: dict[str, float] = {}  # request id -> when its last output was emitted
 
     def run(self) -> None:
         engine = self.engine
         try:
             while not self._stopped:
-                events = self._handle_commands(self._receive(not engine.has_unfinished_requests()))
+                commands = self._receive(not engine.has_unfinished_requests())
+                # What was held goes out before the answers: an aborted request's outputs before its end.
+                events: list[Event] = self._flush() if commands else []
+                events += self._handle_commands(commands)
                 if engine.has_unfinished_requests() and not self._stopped:
-                    outputs = engine.step()
-                    if outputs:
+                    if outputs := self._due(engine.step()):
                         events.append(Outputs(outputs))
+                else:  # about to wait for commands: nothing stays behind
+                    events += self._flush()
+                    self._emitted_at.clear()
                 if events:
                     self._emit(events)
         except BaseException as e:  # noqa: BLE001 - every waiting request must hear about it
             logger.exception("engine loop failed")
-            self._emit([EngineDied(str(e) if isinstance(e, EngineDeadError) else f"engine failed: {e!r}")])
+            died = EngineDied(str(e) if isinstance(e, EngineDeadError) else f"engine failed: {e!r}")
+            self._emit([*self._flush(), died])
+
+    def _due(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The outputs to emit after a step, each request's in order: a request's first and its last,
+        and those of a request whose interval has passed (this step's or held before: a request the
+        scheduler left out of this step too); the rest are held."""
+        if self.hold_s <= 0:
+            return outputs
+        for out in outputs:
+            self._held.setdefault(out.request_id, []).append(out)
+        now = time.monotonic()
+        due = []
+        for request_id, held in list(self._held.items()):
+            emitted_at = self._emitted_at.get(request_id)
+            if held[-1].finished or emitted_at is None or now - emitted_at >= self.hold_s:
+                due += self._held.pop(request_id)
+                if held[-1].finished:
+                    self._emitted_at.pop(request_id, None)
+                else:
+                    self._emitted_at[request_id] = now
+        return due
+
+    def _flush(self) -> list[Event]:
+        """Every held output, as one `Outputs` event (none if nothing is held)."""
+        if not self._held:
+            return []
+        held = [out for outs in self._held.values() for out in outs]
+        self._held.clear()
+        return [Outputs(held)]
 
     def _handle_commands(self, commands: list[Command]) -> list[Event]:
         events: list[Event] = []
@@ -82,6 +127,7 @@ class EngineLoop:
                 case AddRequest():
                     events.append(self._add(command))
                 case AbortRequest(token, request_id):
+                    self._emitted_at.pop(request_id, None)
                     events.append(Aborted(token, request_id, self.engine.abort_request(request_id)))
                 case RunInEngine(token, fn):
                     events.append(self._run(token, fn))

@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -215,6 +216,48 @@ async def test_a_batching_interval_sends_a_fast_engines_tokens_at_most_once_per_
     assert batched[-1].finish_reason == "length"
     assert [t for d in batched for t in d.token_ids] == [t for d in every for t in d.token_ids]
     assert "".join(d.text for d in batched) == "".join(d.text for d in every)
+
+
+async def test_the_core_hands_over_a_streams_outputs_once_per_interval_not_once_per_step(
+    llama, engine_core, monkeypatch
+):
+    """With a batching interval the engine core itself holds a request's outputs between its first and
+    its last until the interval has passed: the serving side (its reader, its event loop) wakes once
+    per interval, not once per engine step, and the stream still has every token, in order."""
+    from raylane.engine import RequestOutputKind
+    from raylane.engine.core_messages import Outputs
+
+    handovers: list[tuple[float, int]] = []  # (when, tokens) of each hand-over carrying the request's outputs
+    on_events = AsyncLLM._on_events
+
+    def recording(self, events):
+        tokens = sum(len(o.outputs[0].token_ids) for e in events if isinstance(e, Outputs) for o in e.outputs)
+        if tokens:
+            handovers.append((time.monotonic(), tokens))
+        on_events(self, events)
+
+    monkeypatch.setattr(AsyncLLM, "_on_events", recording)
+    params = SamplingParams(
+        temperature=0, max_tokens=300, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    streams = {}
+    for interval_ms in (0, 100):
+        handovers.clear()
+        engine = AsyncLLM(
+            model=llama, num_kv_blocks=64, stream_batching_interval_ms=interval_ms, engine_core=engine_core
+        )
+        streams[interval_ms] = [
+            t
+            async for out in engine.generate(random_prompt(12, 12), params)
+            for t in out.outputs[0].token_ids
+        ]
+        engine.shutdown()
+        if interval_ms == 0:
+            assert len(handovers) == 300  # one per step: what the interval improves on
+    elapsed = handovers[-1][0] - handovers[0][0]
+    # The first and the last at once, the ones between at least 100 ms apart (+ 1: arrival jitter).
+    assert len(handovers) - 2 <= elapsed / 0.1 + 1, (len(handovers), elapsed)
+    assert sum(n for _, n in handovers) == 300 and streams[100] == streams[0]
 
 
 def first_output_steps(engine: LLMEngine) -> dict[str, int]:
