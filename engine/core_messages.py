@@ -11,8 +11,9 @@ object. Every command but `Shutdown` carries a `token` that its answer repeats, 
     RunInEngine   -> RunResult(token, fn(engine) | None, error | None)
     Shutdown         (no answer: the loop ends)
 
-Each step's outputs come as one `Outputs`. If the engine fails, the last event is `EngineDied`:
-nothing runs after it. (A core process's start-up messages are in `engine/core_launch.py`.)
+A pass's outputs come as one `Outputs` (those the loop holds to the batching interval, later). If
+the engine fails, the last event is `EngineDied`: nothing runs after it. (A core process's start-up
+messages are in `engine/core_launch.py`.)
 """
 
 from collections.abc import Callable

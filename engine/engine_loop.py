@@ -4,8 +4,9 @@
 (`engine/core_proc.py`); either way it is the only code that touches the engine.
 
 `receive(block)` returns the commands that arrived (waiting for at least one when `block`: the
-engine has nothing to do); `emit(events)` gets the events of one pass, in order: the answers to
-that pass's commands, then the step's `Outputs`.
+engine has nothing to do); `emit(events)` gets the events of one pass, in order: the outputs held
+from earlier steps (when commands came), the answers to that pass's commands, then the step's
+`Outputs` that are due.
 
 A request's outputs between its first and its last are held back until `hold_s` has passed since
 its previous one was emitted (the engine's `stream_batching_interval_ms`): its consumer sends at
