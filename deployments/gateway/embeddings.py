@@ -4,7 +4,6 @@ computed in a bounded worker process beside the gateway, never on its event loop
 from __future__ import annotations
 
 import base64
-import ctypes
 
 import numpy as np
 
@@ -25,21 +24,6 @@ MAX_CALLS_PER_KEY = 2  # calls one API key may have queued or running in a gatew
 # workers' imports), so a worker's start costs the model's load, not `import torch`.
 EMBEDDINGS_PRELOAD = ("raylane.router.embeddings", "sentence_transformers")
 _embeddings_worker: BoundedWorker | None = None
-try:
-    _libc = ctypes.CDLL("libc.so.6")
-except OSError:  # not glibc: nothing to tune
-    _libc = None
-M_MMAP_THRESHOLD = -3  # mallopt(3)
-MMAP_THRESHOLD_BYTES = 256 * 1024
-
-
-def return_large_buffers() -> None:
-    """Blocks of 256 KiB and more (request bodies) get their own mapping, given back to the system
-    when freed. glibc's default raises that threshold to the largest block freed so far (up to 32
-    MiB), after which such blocks come from the heap, which keeps its pages. (Measured once against
-    test_noisy_neighbour's gateway growth: within its run-to-run spread.)"""
-    if _libc is not None:
-        _libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
 
 
 async def create_embeddings(cfg: EmbeddingsConfig, req: EmbeddingRequest, key: str = "") -> EmbeddingResponse:

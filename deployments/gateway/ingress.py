@@ -39,7 +39,7 @@ from raylane.deployments.gateway.affinity import ConversationAffinity
 from raylane.deployments.gateway.batch_api import BatchApi, list_limit, owner, page
 from raylane.deployments.gateway.dispatch import Dispatcher, error_response
 from raylane.deployments.gateway.drain import RETRY_AFTER_S, DrainWatcher
-from raylane.deployments.gateway.embeddings import EMBEDDINGS_PRELOAD, create_embeddings, return_large_buffers
+from raylane.deployments.gateway.embeddings import EMBEDDINGS_PRELOAD, create_embeddings
 from raylane.deployments.gateway.lora_adapters import LoRAAdapters
 from raylane.deployments.gateway.openapi import publish, route_docs
 from raylane.deployments.gateway.pool_health import PoolHealth, pool_deployment_name, serve_liveness
@@ -49,6 +49,7 @@ from raylane.deployments.gateway.request_body import (
     parse_bytes,
     parse_json_object,
     read_body,
+    return_large_buffers,
     validate_body,
 )
 from raylane.deployments.gateway.request_log import RequestLogMiddleware, current_record, router_timed

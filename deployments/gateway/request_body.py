@@ -21,6 +21,7 @@ them, are parsed inline, where a thread hop would cost more than the parse.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -33,6 +34,21 @@ from raylane.deployments.protocol.errors import OpenAIError, from_validation_err
 MAX_JSON_DEPTH = 64  # real tool schemas nest a dozen levels; json.loads itself gives up near 1000
 INLINE_BODY_BYTES = 64 * 1024  # larger bodies are parsed and validated off the event loop
 T = TypeVar("T")
+try:
+    _libc = ctypes.CDLL("libc.so.6")
+except OSError:  # not glibc: nothing to tune
+    _libc = None
+M_MMAP_THRESHOLD = -3  # mallopt(3)
+MMAP_THRESHOLD_BYTES = 256 * 1024
+
+
+def return_large_buffers() -> None:
+    """Blocks of 256 KiB and more (request bodies) get their own mapping, given back to the system
+    when freed. glibc's default raises that threshold to the largest block freed so far (up to 32
+    MiB), after which such blocks come from the heap, which keeps its pages. (Measured once against
+    test_noisy_neighbour's gateway growth: within its run-to-run spread.)"""
+    if _libc is not None:
+        _libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
 
 
 def body_too_large(max_bytes: int, got: int | None = None) -> OpenAIError:
