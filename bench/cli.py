@@ -23,6 +23,7 @@ BENCHMARKS = {
     "decode-profile": "raylane.bench.decode_profile",
     "lora": "raylane.bench.lora",
     "accuracy": "raylane.bench.accuracy",
+    "serving-cpu": "raylane.bench.serving_cpu",
 }
 
 

@@ -114,9 +114,38 @@ def process_tree_cpu_s(root: int | None = None) -> float:
     """CPU seconds (user + system) of process `root` (default: this one) and all its descendants, from
     /proc; with an in-process Ray these are the raylet, GCS, Serve proxy and replicas. Descendants that
     exited count once their parent has reaped them (the parent's cutime/cstime)."""
+    return sum(own + reaped for _, own, reaped, _ in _process_tree(root).values())
+
+
+def process_tree_cpu_by_name(root: int | None = None) -> dict[str, float]:
+    """CPU seconds (user + system) of `root` (default: this one) and of each of its descendants, by
+    the name their command line gives them (`process_name`), processes of one name summed."""
+    names: dict[str, float] = {}
+    for pid, (_, own, _, cmdline) in _process_tree(root).items():
+        name = process_name(cmdline) if pid != (root or os.getpid()) else "this process"
+        names[name] = names.get(name, 0.0) + own
+    return names
+
+
+def process_name(cmdline: list[str]) -> str:
+    """A process's role from its command line: a Ray worker's title (`ray::ServeReplica:app:Gateway`
+    -> `ServeReplica:app:Gateway`), a Python module or script (`-m raylane.engine.core_proc` ->
+    `raylane.engine.core_proc`), else the program's file name (`gcs_server`)."""
+    if not cmdline:
+        return "?"
+    if cmdline[0].startswith("ray::"):
+        return cmdline[0].removeprefix("ray::").split()[0].split(".")[0]
+    if "-m" in cmdline[:-1]:
+        return cmdline[cmdline.index("-m") + 1]
+    scripts = [a for a in cmdline[1:] if a.endswith(".py")]
+    return Path(scripts[0] if scripts else cmdline[0]).name
+
+
+def _process_tree(root: int | None) -> dict[int, tuple[int, float, float, list[str]]]:
+    """pid -> (parent pid, own CPU seconds, reaped children's CPU seconds, command line) of `root`
+    (default: this process) and its descendants, from /proc."""
     root = os.getpid() if root is None else root
-    parent: dict[int, int] = {}
-    cpu: dict[int, float] = {}
+    table: dict[int, tuple[int, float, float, list[str]]] = {}
     ticks = os.sysconf("SC_CLK_TCK")
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -125,19 +154,19 @@ def process_tree_cpu_s(root: int | None = None) -> float:
             # Fields after the command name (which may hold spaces): state ppid ... then utime, stime,
             # cutime, cstime (fields 14-17 of proc(5)).
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
         except (OSError, IndexError):
             continue  # exited meanwhile
-        pid = int(entry.name)
-        parent[pid] = int(fields[1])
-        cpu[pid] = sum(int(f) for f in fields[11:15]) / ticks
-    total = 0.0
-    for pid, seconds in cpu.items():
+        own, reaped = (int(fields[11]) + int(fields[12])) / ticks, (int(fields[13]) + int(fields[14])) / ticks
+        table[int(entry.name)] = (int(fields[1]), own, reaped, cmdline)
+    tree = {}
+    for pid, row in table.items():
         ancestor, hops = pid, 0
         while ancestor not in (root, 0, 1) and hops < 64:
-            ancestor, hops = parent.get(ancestor, 0), hops + 1
+            ancestor, hops = table[ancestor][0] if ancestor in table else 0, hops + 1
         if ancestor == root:
-            total += seconds
-    return total
+            tree[pid] = row
+    return tree
 
 
 def _busy_and_total_s() -> tuple[float, float]:
