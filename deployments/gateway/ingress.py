@@ -261,10 +261,8 @@ class Gateway:
         if config.router.affinity != self.config.router.affinity:
             self.affinity = ConversationAffinity(config.router.affinity)
         self.pool_health.period_s = config.gateway.pool_health_period_s
-        if self.grammar_worker is not None and (
-            config.gateway.grammar_check_timeout_s != self.config.gateway.grammar_check_timeout_s
-        ):
-            self.grammar_worker = None  # the next grammar starts one with the new bound
+        if self.grammar_worker is not None:  # each call reads the bound: the same worker takes it
+            self.grammar_worker.timeout_s = config.gateway.grammar_check_timeout_s
         self.config = self.dispatcher.config = self.batch_api.config = config
         self.batch_tier = batch_tier(list(config.tiers), config.batch)
 

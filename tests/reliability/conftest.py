@@ -153,6 +153,26 @@ def replica_tree_pss_mb(app: str) -> dict[str, float]:
     return out
 
 
+def forked_workers(app: str, deployment: str) -> int:
+    """Processes the replicas of one deployment of `app` run as bounded workers: the children of
+    each replica's forkserver, so the grandchildren of the replica process."""
+    from pathlib import Path
+
+    replica = f"ray::ServeReplica:{app}:{deployment}".encode()
+    parent, replicas = {}, set()
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit():
+                continue
+            title = (proc / "cmdline").read_bytes().split(b"\0")[0]
+            parent[int(proc.name)] = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
+        except OSError:
+            continue
+        if title.startswith(replica):
+            replicas.add(int(proc.name))
+    return sum(parent.get(ppid) in replicas for ppid in parent.values())
+
+
 def serve_cpu_s(app: str) -> dict[str, float]:
     """CPU seconds (user + system) spent so far by Serve's HTTP proxy and each replica process of
     `app`, keyed `proxy` or by deployment; a replica's child processes (an engine core) count

@@ -2,12 +2,12 @@
 
 App: pools `chat` (two replicas) and `extra`, keys on the `premium` and `standard` tiers, one route.
 Four streaming clients (two per key) and an `auto` client run throughout, while four configs are
-applied in turn (cluster/apply.py): (a) a tier's rate limit and a new API key, (b) a new pool and a
-route to it, (c) an engine setting of `chat` (a rolling restart of its two replicas), (d) `extra`
-removed. Then a change that cannot start (a broken checkpoint) is rolled back, and the command line
-refuses a missing checkpoint and prints a dry run. Asserted: no client request fails, no stream is
-cut, the pools no change names keep their replica actors, and each change shows where a user would
-see it.
+applied in turn (cluster/apply.py): (a) a tier's rate limit, a new API key and the gateway's grammar
+check bound, (b) a new pool and a route to it, (c) an engine setting of `chat` (a rolling restart of
+its two replicas), (d) `extra` removed. Then a change that cannot start (a broken checkpoint) is
+rolled back, and the command line refuses a missing checkpoint and prints a dry run. Asserted: no
+client request fails, no stream is cut, the pools no change names keep their replica actors, and
+each change shows where a user would see it.
 """
 
 import json
@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from tests.live_servers import wait_healthy
-from tests.reliability.conftest import llama_pool, replica_names
+from tests.reliability.conftest import forked_workers, llama_pool, replica_names
 
 APP = "rel-live-apply"
 KEYS = {"premium": "key-a-premium", "standard": "key-b-standard"}
@@ -154,9 +154,14 @@ def test_apply_changes_a_cluster_under_load_without_a_failed_request(api_server,
             with pytest.raises(openai.AuthenticationError):
                 chat.models.list()
 
-            # (a) A tier's rate limit and a new key: in place on the gateway.
+            premium = openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS["premium"], max_retries=0)
+            _structured(premium)  # the gateway checks its schema in a grammar worker
+            assert forked_workers(APP, "Gateway") == 1
+
+            # (a) A tier's rate limit, a new key and the grammar check's bound: in place on the gateway.
             config["tiers"] = tiers(trial_rpm=2)
             config["api_keys"]["keys"][NEW_KEY] = "trial"
+            config["gateway"]["grammar_check_timeout_s"] = 4.0
             started = time.monotonic()
             plan = apply_config(ClusterConfig.from_dict(config), APP, timeout_s=300)
             steps["a_keys_and_limits"] = time.monotonic() - started
@@ -164,6 +169,8 @@ def test_apply_changes_a_cluster_under_load_without_a_failed_request(api_server,
             codes = [_status(chat, "chat") for _ in range(3)]
             assert codes == [200, 200, 429], codes  # the new key works, at the new tier's 2 requests/min
             assert actors() == before
+            _structured(premium)  # the running worker takes the new bound; none is left idle beside it
+            assert forked_workers(APP, "Gateway") == 1
 
             # (b) A new pool and a route to it.
             config["pools"].append(pool(demo_models, "fresh"))
@@ -172,7 +179,6 @@ def test_apply_changes_a_cluster_under_load_without_a_failed_request(api_server,
             plan = apply_config(ClusterConfig.from_dict(config), APP, timeout_s=300)
             steps["b_new_pool_and_route"] = time.monotonic() - started
             assert plan.added == ["fresh"], plan
-            premium = openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS["premium"], max_retries=0)
             reply = premium.chat.completions.with_raw_response.create(
                 model="auto",
                 messages=[{"role": "user", "content": "Write a Python function that parses a CSV file."}],
@@ -287,6 +293,17 @@ def _status(client: openai.OpenAI, model: str) -> int:
         return 200
     except openai.APIStatusError as e:
         return e.status_code
+
+
+def _structured(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"sea": {"type": "string"}}, "required": ["sea"]}
+    reply = client.chat.completions.create(
+        model="chat",
+        messages=[{"role": "user", "content": "Describe the sea."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "sea", "schema": schema}},
+        max_tokens=4,
+    )
+    assert reply.choices[0].finish_reason == "length", reply
 
 
 def _ray_address() -> str:
