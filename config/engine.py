@@ -8,6 +8,11 @@ from pydantic import Field, field_validator, model_validator
 
 from raylane.config.base import StrictModel
 
+KV_CACHE_DTYPE_ON_FLASH = (
+    "kv_cache_dtype: bfloat16 with attention_backend flash_varlen needs dtype bfloat16 (FlashAttention "
+    "reads the pages in the queries' dtype); use kv_cache_dtype 'auto'"
+)
+
 
 class SpeculativeConfig(StrictModel):
     """Speculative decoding, vLLM's keys: a proposer drafts tokens that one target forward verifies."""
@@ -102,6 +107,14 @@ class EngineConfig(StrictModel):
     )
     kv_cache_memory_gb: float = Field(
         2.0, gt=0, description="KV cache size on CPU, per rank, when num_kv_blocks is unset."
+    )
+    kv_cache_dtype: Literal["auto", "bfloat16"] = Field(
+        "auto",
+        description="How keys and values are stored. auto: in the model's dtype (float32 on CPU). "
+        "bfloat16: half of float32's bytes, so twice the tokens fit in kv_cache_memory_gb and a decode "
+        "step's attention reads half as much; each key and value is rounded to bfloat16 once, when it is "
+        "written, and attention still computes in the model's dtype (scores and softmax in float32). With "
+        "flash_varlen (CUDA) the model must run in bfloat16 as well.",
     )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Fraction of GPU memory the weights and KV cache may use."
@@ -234,6 +247,8 @@ class EngineConfig(StrictModel):
             )
         if self.dtype == "float32":
             raise ValueError("dtype: attention_backend flash_varlen runs in bfloat16 or float16, not float32")
+        if self.kv_cache_dtype == "bfloat16" and self.dtype == "float16":
+            raise ValueError(KV_CACHE_DTYPE_ON_FLASH)
         return self
 
     @model_validator(mode="after")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from raylane.config import EngineConfig
+from raylane.config.engine import KV_CACHE_DTYPE_ON_FLASH
 from raylane.engine.compiled_decode import CompiledDecode, is_pure_decode
 from raylane.engine.cuda_graph import DecodeGraphs, capture_sizes
 from raylane.engine.memory_profile import DraftReservation, KVCacheSplit, MemoryReport, kv_cache_split
@@ -84,6 +85,9 @@ class ModelRunner:
         self.attention_backend, self.block_size = resolve_attention(
             config.attention_backend, self.device, self.dtype, head_dim, config.block_size
         )
+        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
+        if self.attention_backend == "flash_varlen" and self.kv_dtype != self.dtype:
+            raise ValueError(KV_CACHE_DTYPE_ON_FLASH)
         logger.info("attention backend: %s, KV blocks of %d tokens", self.attention_backend, self.block_size)
         self.graphs: DecodeGraphs | None = None  # captured after the KV cache is allocated
         self.graph_bytes = 0  # what the captured graphs hold on the GPU
@@ -110,7 +114,7 @@ class ModelRunner:
 
     def _block_bytes(self) -> int:
         shape = self.model.kv_cache_shape_per_block(self.block_size)
-        per_layer = 2 * torch.Size(shape).numel() * torch.tensor([], dtype=self.dtype).element_size()
+        per_layer = 2 * torch.Size(shape).numel() * torch.tensor([], dtype=self.kv_dtype).element_size()
         return per_layer * self.model.num_layers
 
     def profile_memory(self) -> MemoryReport:
@@ -200,15 +204,16 @@ class ModelRunner:
         shape = (self.num_blocks + 1, *self.model.kv_cache_shape_per_block(self.block_size))
         for layer in self.model.attention_layers():
             layer.bind_kv_cache(
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
             )
         if log:
             logger.info(
-                "KV cache: %d blocks x %d tokens (%.1f MiB)",
+                "KV cache: %d blocks x %d tokens (%.1f MiB, %s)",
                 self.num_blocks,
                 self.block_size,
                 self.num_blocks * self._block_bytes() / 2**20,
+                str(self.kv_dtype).removeprefix("torch."),
             )
         if capture and self.uses_cuda_graphs:
             try:

@@ -198,12 +198,14 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [N, H, D]; k, v: [N, KVH, D]; caches: [num_blocks, block_size, KVH, D]. Returns [N, H, D]."""
+    """q: [N, H, D]; k, v: [N, KVH, D]; caches: [num_blocks, block_size, KVH, D], in q's dtype or
+    bfloat16 (kv_cache_dtype). Returns [N, H, D] in q's dtype."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    flat_k.index_copy_(0, meta.slot_mapping, k)
-    flat_v.index_copy_(0, meta.slot_mapping, v)
+    # A cache in another dtype (kv_cache_dtype) rounds each key and value once, here.
+    flat_k.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    flat_v.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     if meta.paged is not None:
         return paged_varlen_attention(q, k_cache, v_cache, meta.paged, scale)
     if len(meta.groups) == 1:
@@ -230,8 +232,8 @@ def _attend(
     batch, max_q = group.num_seqs, group.max_query_len
     context = (batch, -1, num_kv_heads, head_dim)
     # index_select on the flat slots is several times faster than advanced indexing with a 2-D index.
-    keys = flat_k.index_select(0, group.kv_slots.reshape(-1)).view(context).transpose(1, 2)
-    values = flat_v.index_select(0, group.kv_slots.reshape(-1)).view(context).transpose(1, 2)
+    keys = flat_k.index_select(0, group.kv_slots.reshape(-1)).view(context).transpose(1, 2).to(q.dtype)
+    values = flat_v.index_select(0, group.kv_slots.reshape(-1)).view(context).transpose(1, 2).to(q.dtype)
     upcast_from = None
     if max_q == 1 and q.device.type == "cpu" and q.dtype != torch.float32:
         if onednn.available(q.dtype):

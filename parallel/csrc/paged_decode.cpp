@@ -4,7 +4,8 @@
 // One query token per request. Caches are [num_blocks, block_size, kv_heads, dim]: a token's keys
 // for every KV head are one contiguous row, so a request's context is read block by block with one
 // table lookup per block, nothing gathered or padded. Scores, softmax and the weighted sum are in
-// float32 whatever the cache's dtype (float32 or bfloat16). Query head h reads KV head
+// float32 whatever the dtypes: queries and caches both float32 or both bfloat16, or float32 queries
+// over a bfloat16 cache (`kv_cache_dtype: bfloat16` on a float32 model). Query head h reads KV head
 // h / (heads / kv_heads), as in grouped-query attention.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -36,10 +37,11 @@ struct Shape {
   float scale;
 };
 
-// Query heads [h0, h1) of request b. DIM > 0: the head size known at compile time, so the per-token
-// loops unroll into registers (about twice as fast as a runtime bound on the benchmarked CPU).
-template <typename T, int64_t DIM>
-void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx, T* out,
+// Query heads [h0, h1) of request b; T: the queries' and output's dtype, C: the cache's. DIM > 0: the
+// head size known at compile time, so the per-token loops unroll into registers (about twice as fast
+// as a runtime bound on the benchmarked CPU).
+template <typename T, typename C, int64_t DIM>
+void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t ctx, T* out,
             const Shape& s, int64_t h0, int64_t h1, std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t dim = DIM > 0 ? DIM : s.dim;
   const int64_t group = s.heads / s.kv_heads;
@@ -54,12 +56,12 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
 
   for (int64_t t0 = first; t0 < ctx; t0 += s.block_size) {
     const int64_t lo = std::max(t0, start), hi = std::min(t0 + s.block_size, ctx);
-    const T* block = k_cache + table[t0 / s.block_size] * s.block_size * row;
+    const C* block = k_cache + table[t0 / s.block_size] * s.block_size * row;
     for (int64_t t = lo; t < hi; ++t) {
-      const T* key = block + (t - t0) * row;
+      const C* key = block + (t - t0) * row;
       for (int64_t h = h0; h < h1; ++h) {
         const float* qh = query.data() + (h - h0) * dim;
-        const T* kh = key + (h / group) * dim;
+        const C* kh = key + (h / group) * dim;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < dim; ++d) dot += qh[d] * to_float(kh[d]);
@@ -92,10 +94,10 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
     for (int64_t d = 0; d < dim; ++d) sum[d] = 0.f;
     for (int64_t t0 = first; t0 < ctx; t0 += s.block_size) {
       const int64_t lo = std::max(t0, start), hi = std::min(t0 + s.block_size, ctx);
-      const T* block = v_cache + table[t0 / s.block_size] * s.block_size * row + offset;
+      const C* block = v_cache + table[t0 / s.block_size] * s.block_size * row + offset;
       for (int64_t t = lo; t < hi; ++t) {
         const float pt = p[t - start];
-        const T* vh = block + (t - t0) * row;
+        const C* vh = block + (t - t0) * row;
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) sum[d] += pt * to_float(vh[d]);
       }
@@ -104,8 +106,8 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
   }
 }
 
-template <typename T, int64_t DIM>
-void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables, const int64_t* lens, T* out,
+template <typename T, typename C, int64_t DIM>
+void decode(const T* q, const C* k_cache, const C* v_cache, const int64_t* tables, const int64_t* lens, T* out,
             const Shape& s) {
   // A request's heads stay on one thread (its rows are read once for every head), unless there are
   // fewer requests than threads: then each KV head's query heads are a work item of their own.
@@ -116,17 +118,17 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
     std::vector<float> scores, acc;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / splits, h0 = (item % splits) * per_item;
-      attend<T, DIM>(q + b * s.heads * s.dim, k_cache, v_cache, tables + b * s.width, lens[b],
+      attend<T, C, DIM>(q + b * s.heads * s.dim, k_cache, v_cache, tables + b * s.width, lens[b],
                      out + b * s.heads * s.dim, s, h0, h0 + per_item, scores, acc);
     }
   });
 }
 
-template <typename T>
+template <typename T, typename C>
 void dispatch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out, const Shape& s) {
-  auto* kernel = s.dim == 64 ? decode<T, 64> : s.dim == 128 ? decode<T, 128> : decode<T, 0>;
-  kernel(q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), block_tables.data_ptr<int64_t>(),
+  auto* kernel = s.dim == 64 ? decode<T, C, 64> : s.dim == 128 ? decode<T, C, 128> : decode<T, C, 0>;
+  kernel(q.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), block_tables.data_ptr<int64_t>(),
          context_lens.data_ptr<int64_t>(), out.data_ptr<T>(), s);
 }
 
@@ -138,8 +140,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   block_tables.is_contiguous() && context_lens.is_contiguous(),
               "contiguous tensors");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the caches in one dtype");
+  const auto q_type = q.scalar_type(), cache_type = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == cache_type, "both caches in one dtype");
+  TORCH_CHECK((q_type == at::kFloat || q_type == at::kBFloat16) &&
+                  (cache_type == q_type || cache_type == at::kBFloat16),
+              "paged_decode runs float32 or bfloat16 queries over a cache of their dtype or bfloat16, not ",
+              q_type, " over ", cache_type);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "int64 block tables and context lengths");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "head shapes");
@@ -159,12 +165,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   auto out = at::empty_like(q);
   const Shape s{q.size(0),       q.size(1),          k_cache.size(2), q.size(2), k_cache.size(1),
                 block_tables.size(1), window, static_cast<float>(scale)};
-  if (q.scalar_type() == at::kFloat)
-    dispatch<float>(q, k_cache, v_cache, block_tables, context_lens, out, s);
-  else if (q.scalar_type() == at::kBFloat16)
-    dispatch<c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, s);
+  if (q_type == at::kFloat && cache_type == at::kFloat)
+    dispatch<float, float>(q, k_cache, v_cache, block_tables, context_lens, out, s);
+  else if (q_type == at::kFloat)
+    dispatch<float, c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, s);
   else
-    TORCH_CHECK(false, "paged_decode runs in float32 or bfloat16, not ", q.scalar_type());
+    dispatch<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, s);
   return out;
 }
 

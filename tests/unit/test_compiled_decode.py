@@ -68,8 +68,11 @@ def sequences(count: int, seed: int) -> list[list[int]]:
         # 7.3e-2; int8 9.5e-3 and 1.3e-1).
         ({"quantization": "int4", "cpu_batch_weight_copy": True}, 0.02, 0.15),
         ({"quantization": "int8"}, 0.02, 0.15),  # torch's int8 kernel as a custom op under compile
+        # A bfloat16 KV cache: keys and values one ulp apart before the cache's rounding can land on
+        # neighbouring bfloat16 values, as activations do above.
+        ({"kv_cache_dtype": "bfloat16"}, 0.02, 0.15),
     ],
-    ids=["float32", "int4-batch-copy", "int8"],
+    ids=["float32", "int4-batch-copy", "int8", "bf16-kv-cache"],
 )
 def test_compiled_decode_steps_compute_what_eager_steps_do(llama_demo, settings, max_mean_error, max_error):
     eager = runner(llama_demo, **settings)

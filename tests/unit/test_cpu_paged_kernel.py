@@ -2,7 +2,8 @@
 
 Checked against the torch backend's padded gather + SDPA (which the model tests hold to Hugging Face)
 on caches whose blocks are shuffled, with grouped-query heads, head sizes the kernel specializes (64,
-128) and one it does not (32), a sliding window, bfloat16, and a request split over threads. The
+128) and one it does not (32), a sliding window, bfloat16 (caches and queries, or a bfloat16 cache
+under float32 queries), and a request split over threads. The
 whole engine on it against Hugging Face's greedy tokens: tests/unit/test_paged_attention.py.
 """
 
@@ -81,6 +82,27 @@ def test_bfloat16_caches():
     expected, _ = attend("torch", tables, context_lens, [1, 1, 1], as_float, q.float(), k.float(), v.float())
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, rtol=0, atol=2e-2)  # one bf16 rounding of the output
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32)])
+def test_float32_queries_over_a_bfloat16_cache(heads, kv_heads, dim):
+    """`kv_cache_dtype: bfloat16` on a float32 model: the step's new keys and values are rounded once as
+    they are written, and the answer is float32 attention over the rounded cache."""
+    context_lens = [200, 33, 7, 1]
+    tables, caches, q, k, v = shuffled_batch(context_lens, heads, kv_heads, dim, torch.float32, seed=7)
+    halved = [c.to(torch.bfloat16) for c in caches]
+    decodes = [1] * len(context_lens)
+    out, _ = attend("cpu_paged", tables, context_lens, decodes, halved, q, k, v)
+    rounded = [c.float() for c in halved]
+    expected, _ = attend(
+        "torch", tables, context_lens, decodes, rounded, q, k.bfloat16().float(), v.bfloat16().float()
+    )
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    unrounded, _ = attend("torch", tables, context_lens, decodes, caches, q, k, v)
+    assert not torch.allclose(out, unrounded, rtol=1e-5, atol=1e-5)  # the cache did hold bfloat16
+    gathered, _ = attend("torch", tables, context_lens, decodes, halved, q, k, v)  # the torch backend too
+    torch.testing.assert_close(gathered, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_one_request_split_over_threads():

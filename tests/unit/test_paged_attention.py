@@ -298,3 +298,6 @@ def test_config_leaves_the_block_size_to_the_device_and_refuses_a_flash_backend_
         EngineConfig(model="m", device="cuda", attention_backend="flash_varlen", block_size=16)
     with pytest.raises(ValueError, match="attention_backend: flash_varlen is a CUDA kernel"):
         EngineConfig(model="m", device="cpu", attention_backend="flash_varlen")
+    with pytest.raises(ValueError, match="kv_cache_dtype: bfloat16 with attention_backend flash_varlen"):
+        EngineConfig(model="m", attention_backend="flash_varlen", dtype="float16", kv_cache_dtype="bfloat16")
+    EngineConfig(model="m", attention_backend="flash_varlen", dtype="bfloat16", kv_cache_dtype="bfloat16")
