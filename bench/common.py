@@ -127,6 +127,21 @@ def process_tree_cpu_by_name(root: int | None = None) -> dict[str, float]:
     return names
 
 
+def process_tree_pss_mib(root: int | None = None) -> dict[int, tuple[int, str, float]]:
+    """pid -> (parent pid, `process_name`, proportional set size in MiB) of `root` (default: this
+    process) and its descendants: memory that processes share (a forkserver's imports, libraries)
+    counts once between them, split evenly."""
+    out = {}
+    for pid, (ppid, _, _, cmdline) in _process_tree(root).items():
+        try:
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+        except OSError:
+            continue  # exited meanwhile
+        pss_kib = next((int(line.split()[1]) for line in rollup if line.startswith("Pss:")), 0)
+        out[pid] = (ppid, process_name(cmdline), pss_kib / 1024)
+    return out
+
+
 def process_name(cmdline: list[str]) -> str:
     """A process's role from its command line: a Ray worker's title (`ray::ServeReplica:app:Gateway`
     -> `ServeReplica:app:Gateway`), a Python module or script (`-m raylane.engine.core_proc` ->

@@ -36,15 +36,16 @@ import asyncio
 import contextlib
 import datetime
 import math
+import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from raylane.bench.apps import LocalServe, LocalServeError
+from raylane.bench.apps import APP_PREFIX, LocalServe, LocalServeError
 from raylane.bench.client import Endpoint, make_client
-from raylane.bench.common import client_machine, print_table, write_json
+from raylane.bench.common import client_machine, print_table, process_tree_pss_mib, write_json
 from raylane.bench.datasets import BenchRequest, DatasetUnavailable, add_dataset_arguments, requests_from_args
 from raylane.bench.llama_server import LlamaServer, LlamaServerError
 from raylane.bench.metrics import RequestRecord, summarize
@@ -85,6 +86,10 @@ class EndpointSource(Protocol):
 
     def open(self) -> contextlib.AbstractContextManager[Endpoint]: ...
 
+    def owns(self, pid: int, name: str) -> bool:
+        """Whether process `pid` (named as `process_name` names it) and its descendants serve this side."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class UrlSource:
@@ -96,6 +101,9 @@ class UrlSource:
     @contextlib.contextmanager
     def open(self) -> Iterator[Endpoint]:
         yield self.endpoint
+
+    def owns(self, pid: int, name: str) -> bool:
+        return False  # somewhere else: its memory is not this machine's to read
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,6 +172,9 @@ class ConfigSource:
         url = self.local.url(self.app)  # the first open deploys both config sides, in parallel
         yield Endpoint(f"{url}/v1", self.model, self.api_key, self.label)
 
+    def owns(self, pid: int, name: str) -> bool:
+        return name.startswith(f"ServeReplica:{APP_PREFIX}{self.app}:")  # its gateway and pools
+
 
 @dataclass(frozen=True, slots=True)
 class LlamaServerSource:
@@ -178,6 +189,9 @@ class LlamaServerSource:
     def open(self) -> Iterator[Endpoint]:
         with self.server:
             yield Endpoint(f"{self.server.url}/v1", self.model, self.api_key, self.label)
+
+    def owns(self, pid: int, name: str) -> bool:
+        return pid == self.server.pid
 
 
 def gguf_file(value: Path) -> Path:
@@ -251,7 +265,15 @@ def run(args: argparse.Namespace) -> int:
             sources = endpoint_sources(args, stack)
             endpoints = tuple(stack.enter_context(s.open()) for s in sources)
             points = asyncio.run(
-                compare_sweep(endpoints, requests, sweep_points(args), settings, args.repeats, args.warmup)
+                compare_sweep(
+                    endpoints,
+                    requests,
+                    sweep_points(args),
+                    settings,
+                    args.repeats,
+                    args.warmup,
+                    memory=lambda: memory_mib(sources),
+                )
             )
     except (BenchError, DatasetUnavailable, LocalServeError, LlamaServerError, ValueError) as e:
         print(f"raylane bench compare: {e}", file=sys.stderr)
@@ -293,12 +315,17 @@ async def compare_sweep(
     settings: SweepSettings,
     repeats: int,
     warmup: int = 1,
+    memory: Callable[[], dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
+    """Each point's sides alternated; `memory`, if given, is read after every run of a point and the
+    point keeps each side's largest reading."""
     clients = [make_client(e, settings.options) for e in endpoints]
     try:
         for client, endpoint in zip(clients, endpoints, strict=True):
             await warm_up(client, endpoint, requests[:warmup], settings)
-        return [await compare_point(clients, endpoints, requests, p, settings, repeats) for p in points]
+        return [
+            await compare_point(clients, endpoints, requests, p, settings, repeats, memory) for p in points
+        ]
     finally:
         for client in clients:
             await client.close()
@@ -311,13 +338,17 @@ async def compare_point(
     point: SweepPoint,
     settings: SweepSettings,
     repeats: int,
+    memory: Callable[[], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     runs: list[list[dict[str, Any]]] = [[], []]
+    readings = []
     for repeat in range(repeats):
         for side in (0, 1) if repeat % 2 == 0 else (1, 0):
             runs[side].append(
                 await measure_point(clients[side], endpoints[side], requests, point, settings, repeat)
             )
+            if memory is not None:
+                readings.append(await asyncio.to_thread(memory))
     pooled = [pool(side_runs, settings) for side_runs in runs]
     exact = [exact_lengths(side_runs, requests) for side_runs in runs]
     per_repeat = [
@@ -332,7 +363,51 @@ async def compare_point(
         "ratios": {label: ratio(pooled[1], pooled[0], path) for label, path, _ in COMPARED},
         "ratios_per_repeat": per_repeat,
         "exact_output_tokens": exact,
+        "memory_mib": largest_memory(readings),
         "runs": runs,
+    }
+
+
+def memory_mib(sources: tuple[EndpointSource, EndpointSource]) -> dict[str, Any]:
+    """What each side runs on this machine, now, as proportional set size in MiB (shared pages split
+    between the processes that share them): llama-server's process; a config side's gateway and pool
+    replicas with their children (engine cores, forkservers, workers). The rest of the in-process Ray
+    (GCS, raylet, Serve's controller and proxy, Ray's agents) goes to the config side when there is
+    one, as part of what it takes to run it, else stays `shared`; this command's own process and the
+    replicas of other apps (in a Ray it joined) count nowhere. None for a side served from elsewhere
+    (a URL)."""
+    tree = process_tree_pss_mib()
+    owned, shared = [0.0, 0.0], 0.0
+    for pid, (_, _, pss) in tree.items():
+        if pid == os.getpid():
+            continue
+        owner, node = None, pid
+        while owner is None and node in tree:
+            name = tree[node][1]
+            owner = next((i for i, s in enumerate(sources) if s.owns(node, name)), None)
+            if owner is None and name.startswith("ServeReplica:"):
+                owner = -1  # another app's, in a Ray this command joined: neither side's
+            node = tree[node][0]
+        if owner is None:
+            shared += pss
+        elif owner >= 0:
+            owned[owner] += pss
+    configs = [i for i, s in enumerate(sources) if isinstance(s, ConfigSource)]
+    if len(configs) == 1:
+        owned[configs[0]] += shared
+        shared = 0.0
+    sides = [None if isinstance(s, UrlSource) else owned[i] for i, s in enumerate(sources)]
+    return {"sides": sides, "shared": shared}
+
+
+def largest_memory(readings: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Each side's largest reading over a point (None without readings)."""
+    if not readings:
+        return None
+    sides = [r["sides"] for r in readings]
+    return {
+        "sides": [None if s[0] is None else max(s) for s in zip(*sides, strict=True)],
+        "shared": max(r["shared"] for r in readings),
     }
 
 
@@ -391,10 +466,25 @@ def print_comparison(point: dict[str, Any], label_a: str, label_b: str, repeats:
             ]
         )
     rows.append(["errors", str(a["errors"]), str(b["errors"]), "", "", ""])
+    if memory := point.get("memory_mib"):
+        ma, mb = memory["sides"]
+        r = None if ma is None or mb is None or ma == 0 else mb / ma
+        rows.append(
+            [
+                "memory PSS MiB",
+                fmt(ma),
+                fmt(mb),
+                "-" if r is None else f"{r:.3f}",
+                "",
+                better(r, False, label_a, label_b),
+            ]
+        )
     if "exact_output_tokens" in point:
         ea, eb = (f"{e['exact']}/{e['completed']}" for e in point["exact_output_tokens"])
         rows.append(["exactly max_tokens", ea, eb, "", "", ""])
     print_table(["metric (ms, /s)", label_a, label_b, "B/A", "B/A per repeat", "better"], rows)
+    if memory and memory["shared"]:
+        print(f"memory: Ray and Serve's own processes, shared by both sides: {memory['shared']:.0f} MiB PSS")
     for label, e in zip((label_a, label_b), point.get("exact_output_tokens", ()), strict=False):
         if e["exact"] < e["completed"]:
             short = e["completed"] - e["exact"]

@@ -175,6 +175,10 @@ class LlamaServer:
     _process: subprocess.Popen | None = field(default=None, init=False, repr=False)
 
     @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 

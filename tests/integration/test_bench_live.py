@@ -124,8 +124,14 @@ def test_bench_compare_starts_a_config_beside_a_url_and_deletes_it(
         *("--base-url-b", api_server.base_url, "--model-b", MODEL, "--label-b", "session"),
         *("--dataset", "prefix", "--prefix-len", "64", "--prefix-output-len", "4", "--tokenizer", llama),
         *("--num-prompts", "3", "--concurrency", "1", "--repeats", "2", "--no-progress"),
+        *("--out", str(tmp_path)),
     )
     assert code == 0, err
+    # Memory: the config side's replicas (gateway, pool, its engine) and its share of Ray's processes;
+    # none for the URL's side, served by an app this command did not start.
+    memory = json.loads((tmp_path / "compare.json").read_text())["points"][0]["memory_mib"]
+    assert memory["sides"][0] > 200 and memory["sides"][1] is None, memory
+    assert re.search(r"\| memory PSS MiB +\| +[0-9.]+ \| +- \|", out), out
     port = api_server.url.rsplit(":", 1)[1]  # the session's Serve: one HTTP listener, a new prefix
     assert f"A = cache-off: chat @ http://127.0.0.1:{port}/a/v1" in out
     assert f"B = session: {MODEL} @ {api_server.base_url}" in out

@@ -19,7 +19,8 @@ from raylane.bench.llama_server import LlamaServer, LlamaServerError
 
 # Answers /health with 503 twice (a model loading), then 200; streams `max_tokens` tokens with a final
 # usage chunk, or stops after 2 (an EOS) unless the body asks for `ignore_eos`. Writes its argv and
-# every request body to $FAKE_LLAMA_LOG/<port>.json.
+# every request body to $FAKE_LLAMA_LOG/<port>.json. Holds 4 KiB of memory per token of context (`-c`),
+# as a KV cache would.
 FAKE_LLAMA_SERVER = textwrap.dedent(
     """
     import argparse, json, os, sys, threading
@@ -32,6 +33,7 @@ FAKE_LLAMA_SERVER = textwrap.dedent(
     args = parser.parse_args()
     log = os.path.join(os.environ["FAKE_LLAMA_LOG"], args.port + ".json")
     state = {"argv": sys.argv[1:], "bodies": [], "health_polls": 0}
+    kv_cache = b"x" * (int(args.c) * 4096)  # written, so resident
 
     lock = threading.Lock()
 
@@ -246,6 +248,11 @@ def test_compare_starts_llama_server_sides_sends_the_same_requests_and_stops_the
     commands = sorted(e["command"][1:] for e in report["endpoints"])
     assert commands == sorted([side_a["argv"], side_b["argv"]])
     assert all("--no-repack" in command for command in commands)
+    # Each server's memory, read after every run: its own process, the 32 MiB it holds and an
+    # interpreter's worth more (the client's own process, this one, counts nowhere).
+    for point in report["points"]:
+        assert all(32 <= mib <= 32 + 40 for mib in point["memory_mib"]["sides"]), point["memory_mib"]
+    assert len(table_rows(out, "memory PSS MiB")) == 2
 
 
 def test_compare_shows_a_side_that_stops_before_max_tokens(fake_binary, gguf, tmp_path, capsys):
