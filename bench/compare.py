@@ -28,7 +28,8 @@ builds it once into a cache and starts it on a free port with `-np 16 -t 2`, sto
 Both sides get the same messages and `max_tokens`; with `--ignore-eos` (the default) both run every
 answer to exactly `max_tokens` (raylane and vLLM read `ignore_eos`; llama-server reads the same field
 and takes `max_tokens` as its `n_predict`). The usage counts prove it: the run prints, per side and
-point, how many answers had exactly the tokens asked for.
+point, how many answers had exactly the tokens asked for. A side this command starts (a config or
+llama-server) also has its memory read after every run (`memory_mib`).
 """
 
 import argparse
