@@ -126,17 +126,10 @@ def replica_tree_pss_mb(app: str) -> dict[str, float]:
     from pathlib import Path
 
     replica = f"ray::ServeReplica:{app}:".encode()
-    owner, parent = {}, {}
-    for proc in Path("/proc").iterdir():
-        try:
-            if not proc.name.isdigit():
-                continue
-            title = (proc / "cmdline").read_bytes().split(b"\0")[0]
-            parent[int(proc.name)] = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
-        except OSError:
-            continue
-        if title.startswith(replica):
-            owner[int(proc.name)] = title[len(replica) :].decode().split(".")[0]
+    parent, titles = _parents_and_titles()
+    owner = {
+        pid: t[len(replica) :].decode().split(".")[0] for pid, t in titles.items() if t.startswith(replica)
+    }
     out: dict[str, float] = {}
     for pid in parent:
         node = pid
@@ -156,21 +149,27 @@ def replica_tree_pss_mb(app: str) -> dict[str, float]:
 def forked_workers(app: str, deployment: str) -> int:
     """Processes the replicas of one deployment of `app` run as bounded workers: the children of
     each replica's forkserver, so the grandchildren of the replica process."""
+    replica = f"ray::ServeReplica:{app}:{deployment}".encode()
+    parent, titles = _parents_and_titles()
+    replicas = {pid for pid, title in titles.items() if title.startswith(replica)}
+    return sum(parent.get(ppid) in replicas for ppid in parent.values())
+
+
+def _parents_and_titles() -> tuple[dict[int, int], dict[int, bytes]]:
+    """pid -> parent pid, and pid -> the first word of its command line (a Ray worker's title), of
+    every process now."""
     from pathlib import Path
 
-    replica = f"ray::ServeReplica:{app}:{deployment}".encode()
-    parent, replicas = {}, set()
+    parent, titles = {}, {}
     for proc in Path("/proc").iterdir():
         try:
             if not proc.name.isdigit():
                 continue
-            title = (proc / "cmdline").read_bytes().split(b"\0")[0]
+            titles[int(proc.name)] = (proc / "cmdline").read_bytes().split(b"\0")[0]
             parent[int(proc.name)] = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
         except OSError:
-            continue
-        if title.startswith(replica):
-            replicas.add(int(proc.name))
-    return sum(parent.get(ppid) in replicas for ppid in parent.values())
+            titles.pop(int(proc.name), None)
+    return parent, titles
 
 
 def serve_cpu_s(app: str) -> dict[str, float]:

@@ -145,6 +145,20 @@ def test_ngram_speculation_keeps_the_greedy_answers(gguf_path, chat_prompts, hf_
     assert stats.num_accepted_tokens > 0  # drafts were verified and some taken, not speculation switched off
 
 
+def closeness(outputs, hf_greedy) -> tuple[int, float, float]:
+    """(answers identical to transformers' greedy ones, mean and worst logprob error of the chosen
+    tokens over the steps before each answer first differs)."""
+    identical, errors = 0, []
+    for out, (hf_tokens, hf_logprobs) in zip(outputs, hf_greedy, strict=True):
+        completion = out.outputs[0]
+        identical += completion.token_ids == hf_tokens
+        for step, (token, hf_token) in enumerate(zip(completion.token_ids, hf_tokens, strict=True)):
+            if token != hf_token:
+                break
+            errors.append(abs(completion.logprobs[step][token].logprob - hf_logprobs[step][token].item()))
+    return identical, sum(errors) / len(errors), max(errors)
+
+
 # Measured on the six chats (24 tokens), raylane's int8-activation kernels: int8 keeps 4 answers whole
 # and int4 4-5; over the steps where the answers agree, the chosen tokens' logprobs are a mean 0.025-0.030
 # (int8) and 0.022-0.023 (int4) from transformers', the worst single step 0.27-0.33 and 0.18-0.22. That
@@ -156,15 +170,7 @@ def test_quantized_weights_stay_close_to_transformers(quantization, gguf_path, c
     with LLM(str(gguf_path), num_kv_blocks=256, quantization=quantization) as llm:
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
         outputs = llm.generate(chat_prompts, params)
-    identical, errors = 0, []
-    for out, (hf_tokens, hf_logprobs) in zip(outputs, hf_greedy, strict=True):
-        completion = out.outputs[0]
-        identical += completion.token_ids == hf_tokens
-        for step, (token, hf_token) in enumerate(zip(completion.token_ids, hf_tokens, strict=True)):
-            if token != hf_token:
-                break
-            errors.append(abs(completion.logprobs[step][token].logprob - hf_logprobs[step][token].item()))
-    mean, worst = sum(errors) / len(errors), max(errors)
+    identical, mean, worst = closeness(outputs, hf_greedy)
     print(f"{quantization}: {identical} answers identical; logprob error mean {mean:.3f}, worst {worst:.3f}")
     assert mean <= 0.06 and worst <= 0.5
     assert identical >= len(CHATS) // 2
@@ -184,15 +190,7 @@ def test_a_bfloat16_kv_cache_holds_twice_the_tokens_and_stays_close(
         assert llm.engine.executor.num_blocks in (2 * float32_blocks, 2 * float32_blocks + 1)  # both floored
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
         outputs = llm.generate(chat_prompts, params)
-    identical, errors = 0, []
-    for out, (hf_tokens, hf_logprobs) in zip(outputs, hf_greedy, strict=True):
-        completion = out.outputs[0]
-        identical += completion.token_ids == hf_tokens
-        for step, (token, hf_token) in enumerate(zip(completion.token_ids, hf_tokens, strict=True)):
-            if token != hf_token:
-                break
-            errors.append(abs(completion.logprobs[step][token].logprob - hf_logprobs[step][token].item()))
-    mean, worst = sum(errors) / len(errors), max(errors)
+    identical, mean, worst = closeness(outputs, hf_greedy)
     print(
         f"bfloat16 KV, {backend}: {identical} answers whole; logprob error mean {mean:.4f}, worst {worst:.3f}"
     )
