@@ -63,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="comma-separated attention backends (engine.attention_backend): auto, torch, cpu_paged",
     )
+    arg("--kv-cache-dtype", default="auto", help="comma-separated: auto (the model's dtype) and/or bfloat16")
     arg("--threads", type=int, help="torch threads (default: torch's, one per core)")
     arg("--out", type=Path, help="folder to write decode_profile.json into")
 
@@ -142,7 +143,7 @@ def model_figures(llm) -> dict[str, float]:
         "layers": layers,
         "kv_width": 2 * kv_heads * head_dim,
         "q_width": heads * head_dim,
-        "kv_element_bytes": llm.engine.runner.dtype.itemsize,  # the cache holds the activations' dtype
+        "kv_element_bytes": llm.engine.runner.kv_dtype.itemsize,
     }
 
 
@@ -228,7 +229,10 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for quantization in args.quantization.split(","):
         q = None if quantization == "none" else quantization
-        for mode, backend in itertools.product(args.modes.split(","), args.attention.split(",")):
+        settings = itertools.product(
+            args.modes.split(","), args.attention.split(","), args.kv_cache_dtype.split(",")
+        )
+        for mode, backend, kv_dtype in settings:
             compiled = mode == "compiled"
             with LLM(
                 path,
@@ -239,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
                 torch_compile=compiled,
                 cpu_batch_weight_copy=compiled and q is not None,
                 attention_backend=backend,
+                kv_cache_dtype=kv_dtype,
             ) as llm:
                 figures = model_figures(llm)
                 for n in streams:
@@ -247,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
                         "weights": quantization if q else "float32",
                         "mode": mode,
                         "attention": llm.engine.runner.attention_backend,
+                        "kv_cache": str(llm.engine.runner.kv_dtype).removeprefix("torch."),
                         "weight_mib": figures["weight_bytes"] / 2**20,
                     }
                     rows.append(row)
@@ -254,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
         "weights",
         "mode",
         "attention",
+        "KV cache",
         "streams",
         "step ms",
         "tok/s",
@@ -268,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
                 r["weights"],
                 r["mode"],
                 r.get("attention", "torch"),
+                r.get("kv_cache", "float32"),
                 str(r["streams"]),
                 f"{r['step_ms']:.1f}",
                 f"{r['tokens_per_s']:.0f}",
