@@ -145,15 +145,23 @@ def process_tree_pss_mib(root: int | None = None) -> dict[int, tuple[int, str, f
 def process_name(cmdline: list[str]) -> str:
     """A process's role from its command line: a Ray worker's title (`ray::ServeReplica:app:Gateway`
     -> `ServeReplica:app:Gateway`), a Python module or script (`-m raylane.engine.core_proc` ->
-    `raylane.engine.core_proc`), else the program's file name (`gcs_server`)."""
+    `raylane.engine.core_proc`; `python` for `-c` code), else the program's file name (`gcs_server`,
+    `llama-server`, whose own `-m` names its model)."""
     if not cmdline:
         return "?"
     if cmdline[0].startswith("ray::"):
         return cmdline[0].removeprefix("ray::").split()[0].split(".")[0]
-    if "-m" in cmdline[:-1]:
-        return cmdline[cmdline.index("-m") + 1]
-    scripts = [a for a in cmdline[1:] if a.endswith(".py")]
-    return Path(scripts[0] if scripts else cmdline[0]).name
+    if not Path(cmdline[0]).name.startswith("python"):
+        return Path(cmdline[0]).name
+    args = iter(cmdline[1:])
+    for arg in args:  # the interpreter's options, up to the module, the code or the script
+        if arg == "-m":
+            return next(args, "python")
+        if arg == "-c" or not arg.startswith("-"):
+            return "python" if arg == "-c" else Path(arg).name
+        if arg in ("-X", "-W"):
+            next(args, None)  # the option's value
+    return "python"
 
 
 def _process_tree(root: int | None) -> dict[int, tuple[int, float, float, list[str]]]:

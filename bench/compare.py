@@ -379,7 +379,8 @@ def memory_mib(sources: tuple[EndpointSource, EndpointSource]) -> dict[str, Any]
     (a URL)."""
     tree = process_tree_pss_mib()
     owned, shared = [0.0, 0.0], 0.0
-    for pid, (_, _, pss) in tree.items():
+    processes: dict[str, float] = {}  # what was counted, by process name (`python` by its parent's)
+    for pid, (ppid, own_name, pss) in tree.items():
         if pid == os.getpid():
             continue
         owner, node = None, pid
@@ -393,22 +394,29 @@ def memory_mib(sources: tuple[EndpointSource, EndpointSource]) -> dict[str, Any]
             shared += pss
         elif owner >= 0:
             owned[owner] += pss
+        else:
+            continue
+        if own_name == "python" and ppid in tree:  # a forkserver or worker: whose
+            own_name = f"python under {tree[ppid][1]}"
+        processes[own_name] = processes.get(own_name, 0.0) + pss
     configs = [i for i, s in enumerate(sources) if isinstance(s, ConfigSource)]
     if len(configs) == 1:
         owned[configs[0]] += shared
         shared = 0.0
     sides = [None if isinstance(s, UrlSource) else owned[i] for i, s in enumerate(sources)]
-    return {"sides": sides, "shared": shared}
+    return {"sides": sides, "shared": shared, "processes": processes}
 
 
 def largest_memory(readings: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Each side's largest reading over a point (None without readings)."""
+    """Each side's largest reading over a point, and the last reading's processes (None without
+    readings)."""
     if not readings:
         return None
     sides = [r["sides"] for r in readings]
     return {
         "sides": [None if s[0] is None else max(s) for s in zip(*sides, strict=True)],
         "shared": max(r["shared"] for r in readings),
+        "processes": readings[-1]["processes"],
     }
 
 

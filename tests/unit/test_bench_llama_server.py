@@ -252,6 +252,7 @@ def test_compare_starts_llama_server_sides_sends_the_same_requests_and_stops_the
     # interpreter's worth more (the client's own process, this one, counts nowhere).
     for point in report["points"]:
         assert all(32 <= mib <= 32 + 40 for mib in point["memory_mib"]["sides"]), point["memory_mib"]
+        assert list(point["memory_mib"]["processes"]) == ["llama-server"]  # both, by their name
     assert len(table_rows(out, "memory PSS MiB")) == 2
 
 

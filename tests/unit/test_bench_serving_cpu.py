@@ -47,3 +47,6 @@ def test_served_processes_are_named_by_their_role():
         == "log_monitor.py"
     )
     assert process_name(["/venv/ray/core/src/ray/gcs/gcs_server", "--log_dir=/tmp"]) == "gcs_server"
+    assert process_name(["/cache/bin/llama-server", "-m", "/m/model.gguf", "-t", "1"]) == "llama-server"
+    assert process_name(["/venv/bin/python", "/tmp/llama-server", "-m", "x.gguf"]) == "llama-server"
+    assert process_name(["/venv/bin/python", "-B", "-c", "from multiprocessing import x"]) == "python"
