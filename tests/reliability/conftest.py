@@ -123,53 +123,29 @@ def replica_tree_pss_mb(app: str) -> dict[str, float]:
     an engine core), keyed by deployment, in MiB: the proportional set size, so that pages a forked
     worker shares with its forkserver count once between them, and a worker started mid-run adds
     what it holds of its own, not a second copy of its imports."""
-    from pathlib import Path
+    from raylane.bench.common import process_tree_pss_mib
 
-    replica = f"ray::ServeReplica:{app}:".encode()
-    parent, titles = _parents_and_titles()
-    owner = {
-        pid: t[len(replica) :].decode().split(".")[0] for pid, t in titles.items() if t.startswith(replica)
-    }
+    replica = f"ServeReplica:{app}:"
+    tree = process_tree_pss_mib(root=1)  # every process on the machine
     out: dict[str, float] = {}
-    for pid in parent:
+    for pid, (_, _, pss) in tree.items():
         node = pid
-        while node in parent and node not in owner:
-            node = parent[node]
-        if node not in owner:
-            continue
-        try:
-            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
-        except OSError:
-            continue
-        pss_kb = next((int(line.split()[1]) for line in rollup if line.startswith("Pss:")), 0)
-        out[owner[node]] = out.get(owner[node], 0.0) + pss_kb / 1024
+        while node in tree and not tree[node][1].startswith(replica):
+            node = tree[node][0]
+        if node in tree:
+            deployment = tree[node][1][len(replica) :]
+            out[deployment] = out.get(deployment, 0.0) + pss
     return out
 
 
 def forked_workers(app: str, deployment: str) -> int:
     """Processes the replicas of one deployment of `app` run as bounded workers: the children of
     each replica's forkserver, so the grandchildren of the replica process."""
-    replica = f"ray::ServeReplica:{app}:{deployment}".encode()
-    parent, titles = _parents_and_titles()
-    replicas = {pid for pid, title in titles.items() if title.startswith(replica)}
-    return sum(parent.get(ppid) in replicas for ppid in parent.values())
+    from raylane.bench.common import process_tree_pss_mib
 
-
-def _parents_and_titles() -> tuple[dict[int, int], dict[int, bytes]]:
-    """pid -> parent pid, and pid -> the first word of its command line (a Ray worker's title), of
-    every process now."""
-    from pathlib import Path
-
-    parent, titles = {}, {}
-    for proc in Path("/proc").iterdir():
-        try:
-            if not proc.name.isdigit():
-                continue
-            titles[int(proc.name)] = (proc / "cmdline").read_bytes().split(b"\0")[0]
-            parent[int(proc.name)] = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
-        except OSError:
-            titles.pop(int(proc.name), None)
-    return parent, titles
+    tree = process_tree_pss_mib(root=1)
+    replicas = {pid for pid, (_, name, _) in tree.items() if name == f"ServeReplica:{app}:{deployment}"}
+    return sum(tree[ppid][0] in replicas for ppid, _, _ in tree.values() if ppid in tree)
 
 
 def serve_cpu_s(app: str) -> dict[str, float]:
