@@ -37,80 +37,112 @@ struct Shape {
   float scale;
 };
 
-// Query heads [h0, h1) of request b; T: the queries' and output's dtype, C: the cache's. DIM > 0: the
-// head size known at compile time, so the per-token loops unroll into registers (about twice as fast
-// as a runtime bound on the benchmarked CPU).
-template <typename T, typename C, int64_t DIM>
-void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t ctx, T* out,
-            const Shape& s, int64_t h0, int64_t h1, std::vector<float>& scores, std::vector<float>& acc) {
-  const int64_t dim = DIM > 0 ? DIM : s.dim;
-  const int64_t group = s.heads / s.kv_heads;
-  const int64_t row = s.kv_heads * dim;
-  const int64_t start = s.window > 0 ? std::max<int64_t>(0, ctx - s.window) : 0;
-  const int64_t n = ctx - start, nh = h1 - h0;
-  const int64_t first = start - start % s.block_size;
-  scores.resize(nh * n);
-  if (DIM == 0) acc.resize(nh * dim);
-  std::vector<float> query(nh * dim);
-  for (int64_t i = 0; i < nh * dim; ++i) query[i] = to_float(q[h0 * dim + i]) * s.scale;
+// Query heads sharing a KV head are attended together, up to this many: each key and value row is read
+// once for all of them. A head's running weighted sum takes DIM floats of registers; four heads' spill
+// from AVX2's sixteen registers and are still faster than reading the rows twice (bench/README.md).
+constexpr int kMaxHeads = 4;
 
-  for (int64_t t0 = first; t0 < ctx; t0 += s.block_size) {
-    const int64_t lo = std::max(t0, start), hi = std::min(t0 + s.block_size, ctx);
-    const C* block = k_cache + table[t0 / s.block_size] * s.block_size * row;
+// Ask for a row of the next block while reading the same row of this one: blocks are scattered over
+// the cache, so the hardware prefetcher, which follows an address stream, starts cold at each block.
+// One block ahead is far enough to hide the memory's latency on the benchmarked CPU.
+template <typename C>
+inline void prefetch_row(const C* row, int64_t elements) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < elements * static_cast<int64_t>(sizeof(C)); b += 64) __builtin_prefetch(p + b);
+}
+
+// Query heads [h, h + G) of one request, all reading KV head `kv` (grouped-query attention), over its
+// tokens [start, ctx). T: the queries' and output's dtype, C: the cache's. DIM > 0: the head size
+// known at compile time, so the per-token loops unroll into registers (about twice as fast as a
+// runtime bound on the benchmarked CPU); DIM == 0 runs one head at a time.
+template <typename T, typename C, int64_t DIM, int G>
+void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t start, int64_t ctx,
+            T* out, const Shape& s, int64_t kv, std::vector<float>& scores, std::vector<float>& acc) {
+  const int64_t dim = DIM > 0 ? DIM : s.dim, row = s.kv_heads * dim, bs = s.block_size;
+  const int64_t n = ctx - start, first = start - start % bs, offset = kv * dim;
+  scores.resize(G * n);
+  float query[G][DIM > 0 ? DIM : 1];
+  if (DIM == 0) acc.resize(2 * dim);
+  float* q0 = DIM > 0 ? query[0] : acc.data();
+  for (int i = 0; i < G; ++i)
+    for (int64_t d = 0; d < dim; ++d) q0[i * dim + d] = to_float(q[i * dim + d]) * s.scale;
+
+  for (int64_t t0 = first; t0 < ctx; t0 += bs) {
+    const int64_t lo = std::max(t0, start), hi = std::min(t0 + bs, ctx);
+    const C* block = k_cache + table[t0 / bs] * bs * row + offset;
+    const C* next = t0 + bs < ctx ? k_cache + table[t0 / bs + 1] * bs * row + offset : nullptr;
     for (int64_t t = lo; t < hi; ++t) {
+      if (next) prefetch_row(next + (t - t0) * row, dim);
       const C* key = block + (t - t0) * row;
-      for (int64_t h = h0; h < h1; ++h) {
-        const float* qh = query.data() + (h - h0) * dim;
-        const C* kh = key + (h / group) * dim;
+      for (int i = 0; i < G; ++i) {
+        const float* qi = q0 + i * dim;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < dim; ++d) dot += qh[d] * to_float(kh[d]);
-        scores[(h - h0) * n + (t - start)] = dot;
+        for (int64_t d = 0; d < dim; ++d) dot += qi[d] * to_float(key[d]);
+        scores[i * n + (t - start)] = dot;
       }
     }
   }
-  for (int64_t i = 0; i < nh; ++i) {
-    float* sh = scores.data() + i * n;
+  for (int i = 0; i < G; ++i) {
+    float* si = scores.data() + i * n;
     float top = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) top = std::max(top, sh[j]);
+    for (int64_t j = 0; j < n; ++j) top = std::max(top, si[j]);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < n; ++j) {
-      sh[j] = exp_approx(sh[j] - top);
-      sum += sh[j];
+      si[j] = exp_approx(si[j] - top);
+      sum += si[j];
     }
     const float inv = 1.f / sum;
-    for (int64_t j = 0; j < n; ++j) sh[j] *= inv;
+    for (int64_t j = 0; j < n; ++j) si[j] *= inv;
   }
-  // The weighted sum of values, one query head at a time: with the head size known at compile time
-  // its running sum stays in registers over the whole context (a head's value rows come from L2 for
-  // the group's other heads). Summing every head per token instead kept the sums in memory, and the
-  // store-to-load chain through them held the kernel's hottest instructions.
-  for (int64_t h = h0; h < h1; ++h) {
-    const float* p = scores.data() + (h - h0) * n;
-    const int64_t offset = (h / group) * dim;
-    float local[DIM > 0 ? DIM : 1];
-    float* sum = DIM > 0 ? local : acc.data() + (h - h0) * dim;
-    for (int64_t d = 0; d < dim; ++d) sum[d] = 0.f;
-    for (int64_t t0 = first; t0 < ctx; t0 += s.block_size) {
-      const int64_t lo = std::max(t0, start), hi = std::min(t0 + s.block_size, ctx);
-      const C* block = v_cache + table[t0 / s.block_size] * s.block_size * row + offset;
-      for (int64_t t = lo; t < hi; ++t) {
-        const float pt = p[t - start];
-        const C* vh = block + (t - t0) * row;
+  // The weighted sum of values, every head's running sum in registers over the whole context (DIM
+  // known at compile time); each value row is read once for the G heads.
+  float local[G][DIM > 0 ? DIM : 1];
+  float* sum = DIM > 0 ? local[0] : acc.data() + dim;
+  for (int64_t i = 0; i < G * dim; ++i) sum[i] = 0.f;
+  for (int64_t t0 = first; t0 < ctx; t0 += bs) {
+    const int64_t lo = std::max(t0, start), hi = std::min(t0 + bs, ctx);
+    const C* block = v_cache + table[t0 / bs] * bs * row + offset;
+    const C* next = t0 + bs < ctx ? v_cache + table[t0 / bs + 1] * bs * row + offset : nullptr;
+    for (int64_t t = lo; t < hi; ++t) {
+      if (next) prefetch_row(next + (t - t0) * row, dim);
+      const C* vt = block + (t - t0) * row;
+      for (int i = 0; i < G; ++i) {
+        const float p = scores[i * n + (t - start)];
+        float* si = sum + i * dim;
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) sum[d] += pt * to_float(vh[d]);
+        for (int64_t d = 0; d < dim; ++d) si[d] += p * to_float(vt[d]);
       }
     }
-    for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = static_cast<T>(sum[d]);
+  }
+  for (int64_t i = 0; i < G * dim; ++i) out[i] = static_cast<T>(sum[i]);
+}
+
+// Query heads [h0, h1) of request b, in runs of at most kMaxHeads sharing a KV head.
+template <typename T, typename C, int64_t DIM>
+void attend_heads(const T* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t ctx, T* out,
+                  const Shape& s, int64_t h0, int64_t h1, std::vector<float>& scores, std::vector<float>& acc) {
+  const int64_t group = s.heads / s.kv_heads, dim = s.dim;
+  const int64_t start = s.window > 0 ? std::max<int64_t>(0, ctx - s.window) : 0;
+  for (int64_t h = h0; h < h1;) {
+    const int64_t kv = h / group;
+    const int64_t count = DIM > 0 ? std::min<int64_t>({h1, (kv + 1) * group, h + kMaxHeads}) - h : 1;
+    static_assert(kMaxHeads == 4, "one instance per run length");
+    auto* run = count == 1   ? attend<T, C, DIM, 1>
+                : count == 2 ? attend<T, C, DIM, 2>
+                : count == 3 ? attend<T, C, DIM, 3>
+                             : attend<T, C, DIM, 4>;
+    run(q + h * dim, k_cache, v_cache, table, start, ctx, out + h * dim, s, kv, scores, acc);
+    h += count;
   }
 }
 
 template <typename T, typename C, int64_t DIM>
 void decode(const T* q, const C* k_cache, const C* v_cache, const int64_t* tables, const int64_t* lens, T* out,
             const Shape& s) {
-  // A request's heads stay on one thread (its rows are read once for every head), unless there are
-  // fewer requests than threads: then each KV head's query heads are a work item of their own.
+  // A request's heads stay on one thread, unless there are fewer requests than threads: then each KV
+  // head's query heads are a work item of their own.
   const int64_t splits = s.batch >= at::get_num_threads() ? 1 : s.kv_heads;
   const int64_t per_item = s.heads / splits;
   at::parallel_for(0, s.batch * splits, 1, [&](int64_t begin, int64_t end) {
@@ -118,8 +150,8 @@ void decode(const T* q, const C* k_cache, const C* v_cache, const int64_t* table
     std::vector<float> scores, acc;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / splits, h0 = (item % splits) * per_item;
-      attend<T, C, DIM>(q + b * s.heads * s.dim, k_cache, v_cache, tables + b * s.width, lens[b],
-                     out + b * s.heads * s.dim, s, h0, h0 + per_item, scores, acc);
+      attend_heads<T, C, DIM>(q + b * s.heads * s.dim, k_cache, v_cache, tables + b * s.width, lens[b],
+                              out + b * s.heads * s.dim, s, h0, h0 + per_item, scores, acc);
     }
   });
 }

@@ -50,7 +50,9 @@ def attend(backend, tables, context_lens, query_lens, caches, q, k, v, window=No
 
 @pytest.mark.parametrize(
     "heads,kv_heads,dim",
-    [(9, 3, 64), (8, 2, 128), (4, 4, 32)],  # SmolLM2's grouped heads; Llama-sized heads; a generic size
+    # SmolLM2's grouped heads; Llama-sized heads; a generic size; seven heads a KV head (Qwen2-7B's
+    # grouping), which the kernel attends in runs of four and three
+    [(9, 3, 64), (8, 2, 128), (4, 4, 32), (14, 2, 64)],
 )
 def test_decode_matches_the_padded_gather(heads, kv_heads, dim):
     context_lens = [1, 17, 300, 64, 129, 5]  # within a block, across blocks, a block's edge
