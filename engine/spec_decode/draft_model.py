@@ -23,21 +23,25 @@ from raylane.engine.spec_decode.proposer import Proposer, can_speculate, max_dra
 from raylane.models.gguf import checkpoint_dir
 
 
-def draft_reservation(config: EngineConfig, dtype: torch.dtype, block_size: int) -> DraftReservation:
-    """The draft model's weight bytes and KV bytes per block, from its config alone (the model is
-    built on the meta device: no memory), so the target's KV cache leaves room for it before the
-    draft loads. Unquantized bytes: a quantized draft takes less, never more."""
+def draft_reservation(
+    config: EngineConfig, dtype: torch.dtype, block_size: int, kv_dtype: torch.dtype | None = None
+) -> DraftReservation:
+    """The draft model's weight bytes (in `dtype`) and KV bytes per block (in `kv_dtype`, the
+    engine's KV cache dtype, which the draft's cache shares; default `dtype`), from its config alone
+    (the model is built on the meta device: no memory), so the target's KV cache leaves room for it
+    before the draft loads. Unquantized bytes: a quantized draft takes less, never more."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf = AutoConfig.from_pretrained(checkpoint_dir(config.speculative_config.model))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf)
     size = torch.tensor([], dtype=dtype).element_size()
+    kv_size = torch.tensor([], dtype=kv_dtype or dtype).element_size()
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     return DraftReservation(
         weight_bytes=sum(p.numel() for p in model.parameters()) * size,
-        block_bytes=2 * hf.num_hidden_layers * block_size * kv_heads * head_dim * size,
+        block_bytes=2 * hf.num_hidden_layers * block_size * kv_heads * head_dim * kv_size,
     )
 
 
@@ -46,7 +50,7 @@ def draft_reservation_on(runner: ModelRunner) -> DraftReservation | None:
     a single-rank engine, or rank 0's. None without a draft model, and on CPU (no profiling there)."""
     if not runner.config.uses_draft_model or runner.device.type != "cuda":
         return None
-    return draft_reservation(runner.config, runner.dtype, runner.block_size)
+    return draft_reservation(runner.config, runner.dtype, runner.block_size, runner.kv_dtype)
 
 
 class DraftModelProposer(Proposer):

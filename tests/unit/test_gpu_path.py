@@ -85,15 +85,19 @@ def test_profile_run_forwards_the_largest_step_and_lets_go_of_its_cache(checkpoi
     assert runner.num_blocks > blocks
 
 
-def test_draft_reservation_matches_what_the_loaded_draft_holds(checkpoint, tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+def test_draft_reservation_matches_what_the_loaded_draft_holds(checkpoint, tmp_path, kv_cache_dtype):
     """The reservation is computed before the draft loads (from its config, on the meta device): it
-    must equal what the draft's runner then holds, weights and KV per block."""
+    must equal what the draft's runner then holds, weights and KV per block, the KV in the engine's
+    cache dtype (a bfloat16 cache under a float32 model holds half the bytes)."""
     draft_path = str(make_checkpoint(tmp_path / "draft", "qwen3", num_hidden_layers=1))
     spec = dict(method="draft_model", num_speculative_tokens=2, model=draft_path)
-    config = EngineConfig(model=checkpoint, speculative_config=spec, cpu_weight_prepack=False)
-    reservation = draft_reservation(config, torch.float32, block_size=32)
+    config = EngineConfig(
+        model=checkpoint, speculative_config=spec, cpu_weight_prepack=False, kv_cache_dtype=kv_cache_dtype
+    )
     draft_config = config.model_copy(update=dict(model=draft_path, speculative_config=None, block_size=32))
     draft = ModelRunner(draft_config)
+    reservation = draft_reservation(config, draft.dtype, block_size=32, kv_dtype=draft.kv_dtype)
     assert reservation.weight_bytes == draft.weight_bytes()
     assert reservation.block_bytes == draft._block_bytes()
 
