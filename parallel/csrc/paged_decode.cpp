@@ -39,7 +39,7 @@ struct Shape {
 
 // Query heads sharing a KV head are attended together, up to this many: each key and value row is read
 // once for all of them. A head's running weighted sum takes DIM floats of registers; four heads' spill
-// from AVX2's sixteen registers and are still faster than reading the rows twice (bench/README.md).
+// from AVX2's sixteen registers, and were still faster than runs of two there when this was written.
 constexpr int kMaxHeads = 4;
 
 // Ask for a row of the next block while reading the same row of this one: blocks are scattered over
@@ -54,7 +54,8 @@ inline void prefetch_row(const C* row, int64_t elements) {
 // Query heads [h, h + G) of one request, all reading KV head `kv` (grouped-query attention), over its
 // tokens [start, ctx). T: the queries' and output's dtype, C: the cache's. DIM > 0: the head size
 // known at compile time, so the per-token loops unroll into registers (about twice as fast as a
-// runtime bound on the benchmarked CPU); DIM == 0 runs one head at a time.
+// runtime bound on the benchmarked CPU); DIM == 0 runs one head at a time, its scaled query and running
+// sum in `acc`.
 template <typename T, typename C, int64_t DIM, int G>
 void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t start, int64_t ctx,
             T* out, const Shape& s, int64_t kv, std::vector<float>& scores, std::vector<float>& acc) {
