@@ -42,13 +42,25 @@ struct Shape {
 // from AVX2's sixteen registers, and were still faster than runs of two there when this was written.
 constexpr int kMaxHeads = 4;
 
-// Ask for a row of the next block while reading the same row of this one: blocks are scattered over
-// the cache, so the hardware prefetcher, which follows an address stream, starts cold at each block.
-// One block ahead is far enough to hide the memory's latency on the benchmarked CPU.
-template <typename C>
-inline void prefetch_row(const C* row, int64_t elements) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < elements * static_cast<int64_t>(sizeof(C)); b += 64) __builtin_prefetch(p + b);
+// Calls row(j, r) for the tokens [start, ctx) of a request, r pointing at token start + j's values of
+// one KV head (`offset` into the cache's rows of `width` elements), block by block. While it reads a
+// block it asks for the same rows of the next one: blocks are scattered over the cache, so the
+// hardware prefetcher, which follows an address stream, starts cold at each block. One block ahead
+// is far enough to hide the memory's latency on the benchmarked CPU.
+template <typename C, typename Row>
+inline void for_each_row(const C* cache, const int64_t* table, int64_t start, int64_t ctx, int64_t offset,
+                         int64_t width, int64_t dim, const Shape& s, Row&& row) {
+  const int64_t bs = s.block_size, bytes = dim * static_cast<int64_t>(sizeof(C));
+  for (int64_t t0 = start - start % bs; t0 < ctx; t0 += bs) {
+    const C* block = cache + table[t0 / bs] * bs * width + offset;
+    const char* next =
+        t0 + bs < ctx ? reinterpret_cast<const char*>(cache + table[t0 / bs + 1] * bs * width + offset) : nullptr;
+    for (int64_t t = std::max(t0, start); t < std::min(t0 + bs, ctx); ++t) {
+      if (next)
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + (t - t0) * width * sizeof(C) + b);
+      row(t - start, block + (t - t0) * width);
+    }
+  }
 }
 
 // Query heads [h, h + G) of one request, all reading KV head `kv` (grouped-query attention), over its
@@ -59,8 +71,8 @@ inline void prefetch_row(const C* row, int64_t elements) {
 template <typename T, typename C, int64_t DIM, int G>
 void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t start, int64_t ctx,
             T* out, const Shape& s, int64_t kv, std::vector<float>& scores, std::vector<float>& acc) {
-  const int64_t dim = DIM > 0 ? DIM : s.dim, row = s.kv_heads * dim, bs = s.block_size;
-  const int64_t n = ctx - start, first = start - start % bs, offset = kv * dim;
+  const int64_t dim = DIM > 0 ? DIM : s.dim, row = s.kv_heads * dim;
+  const int64_t n = ctx - start, offset = kv * dim;
   scores.resize(G * n);
   float query[G][DIM > 0 ? DIM : 1];
   if (DIM == 0) acc.resize(2 * dim);
@@ -68,22 +80,15 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* table
   for (int i = 0; i < G; ++i)
     for (int64_t d = 0; d < dim; ++d) q0[i * dim + d] = to_float(q[i * dim + d]) * s.scale;
 
-  for (int64_t t0 = first; t0 < ctx; t0 += bs) {
-    const int64_t lo = std::max(t0, start), hi = std::min(t0 + bs, ctx);
-    const C* block = k_cache + table[t0 / bs] * bs * row + offset;
-    const C* next = t0 + bs < ctx ? k_cache + table[t0 / bs + 1] * bs * row + offset : nullptr;
-    for (int64_t t = lo; t < hi; ++t) {
-      if (next) prefetch_row(next + (t - t0) * row, dim);
-      const C* key = block + (t - t0) * row;
-      for (int i = 0; i < G; ++i) {
-        const float* qi = q0 + i * dim;
-        float dot = 0.f;
+  for_each_row(k_cache, table, start, ctx, offset, row, dim, s, [&](int64_t j, const C* key) {
+    for (int i = 0; i < G; ++i) {
+      const float* qi = q0 + i * dim;
+      float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < dim; ++d) dot += qi[d] * to_float(key[d]);
-        scores[i * n + (t - start)] = dot;
-      }
+      for (int64_t d = 0; d < dim; ++d) dot += qi[d] * to_float(key[d]);
+      scores[i * n + j] = dot;
     }
-  }
+  });
   for (int i = 0; i < G; ++i) {
     float* si = scores.data() + i * n;
     float top = -INFINITY;
@@ -102,21 +107,14 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* table
   float local[G][DIM > 0 ? DIM : 1];
   float* sum = DIM > 0 ? local[0] : acc.data() + dim;
   for (int64_t i = 0; i < G * dim; ++i) sum[i] = 0.f;
-  for (int64_t t0 = first; t0 < ctx; t0 += bs) {
-    const int64_t lo = std::max(t0, start), hi = std::min(t0 + bs, ctx);
-    const C* block = v_cache + table[t0 / bs] * bs * row + offset;
-    const C* next = t0 + bs < ctx ? v_cache + table[t0 / bs + 1] * bs * row + offset : nullptr;
-    for (int64_t t = lo; t < hi; ++t) {
-      if (next) prefetch_row(next + (t - t0) * row, dim);
-      const C* vt = block + (t - t0) * row;
-      for (int i = 0; i < G; ++i) {
-        const float p = scores[i * n + (t - start)];
-        float* si = sum + i * dim;
+  for_each_row(v_cache, table, start, ctx, offset, row, dim, s, [&](int64_t j, const C* value) {
+    for (int i = 0; i < G; ++i) {
+      const float p = scores[i * n + j];
+      float* si = sum + i * dim;
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) si[d] += p * to_float(vt[d]);
-      }
+      for (int64_t d = 0; d < dim; ++d) si[d] += p * to_float(value[d]);
     }
-  }
+  });
   for (int64_t i = 0; i < G * dim; ++i) out[i] = static_cast<T>(sum[i]);
 }
 
