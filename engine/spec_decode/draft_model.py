@@ -24,10 +24,10 @@ from raylane.models.gguf import checkpoint_dir
 
 
 def draft_reservation(
-    config: EngineConfig, dtype: torch.dtype, block_size: int, kv_dtype: torch.dtype | None = None
+    config: EngineConfig, dtype: torch.dtype, block_size: int, kv_dtype: torch.dtype
 ) -> DraftReservation:
     """The draft model's weight bytes (in `dtype`) and KV bytes per block (in `kv_dtype`, the
-    engine's KV cache dtype, which the draft's cache shares; default `dtype`), from its config alone
+    engine's KV cache dtype, which the draft's cache shares), from its config alone
     (the model is built on the meta device: no memory), so the target's KV cache leaves room for it
     before the draft loads. Unquantized bytes: a quantized draft takes less, never more."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -36,7 +36,7 @@ def draft_reservation(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf)
     size = torch.tensor([], dtype=dtype).element_size()
-    kv_size = torch.tensor([], dtype=kv_dtype or dtype).element_size()
+    kv_size = torch.tensor([], dtype=kv_dtype).element_size()
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     return DraftReservation(
