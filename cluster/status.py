@@ -85,12 +85,13 @@ def collect(app_name: str = "raylane") -> tuple[list[PoolRow], dict]:
         app_wide["message"] = "no metrics yet (the app has not reported since it started)"
     rows.sort(key=lambda r: (r.name == "Gateway", r.name))
     _add_live_config(app_name, rows, app_wide)
-    app_wide["batches"] = _batches(app_name)
+    app_wide["batches"], app_wide["batch_runner"] = _batches(app_name)
     return rows, app_wide
 
 
-def _batches(app_name: str) -> list[dict]:
-    """The app's batches not yet ended, with their progress (none when it never ran a batch)."""
+def _batches(app_name: str) -> tuple[list[dict], dict]:
+    """The app's batches not yet ended, with their progress, and the state of the runner sending
+    their lines (none when it never ran a batch)."""
     import ray
 
     from raylane.deployments.batch.service import service_name
@@ -98,9 +99,9 @@ def _batches(app_name: str) -> list[dict]:
 
     try:
         actor = ray.get_actor(service_name(app_name), namespace=NAMESPACE)
-        return ray.get(actor.active_batches.remote(), timeout=30)
+        return tuple(ray.get([actor.active_batches.remote(), actor.runner_state.remote()], timeout=30))
     except (ValueError, ray.exceptions.RayError):
-        return []
+        return [], {}
 
 
 def _add_live_config(app_name: str, rows: list[PoolRow], app_wide: dict) -> None:
@@ -225,10 +226,11 @@ def render(rows: list[PoolRow], app_wide: dict) -> str:
         )
     if app_wide.get("message"):
         footer += f"   ({app_wide['message']})"
-    return "\n".join([*lines, "", footer, *_render_batches(app_wide.get("batches") or [])])
+    batches = _render_batches(app_wide.get("batches") or [], app_wide.get("batch_runner") or {})
+    return "\n".join([*lines, "", footer, *batches])
 
 
-def _render_batches(batches: list[dict]) -> list[str]:
+def _render_batches(batches: list[dict], runner: dict) -> list[str]:
     if not batches:
         return []
     table = [["BATCH", "ENDPOINT", "STATUS", "DONE", "FAILED", "TOTAL"]]
@@ -245,10 +247,18 @@ def _render_batches(batches: list[dict]) -> list[str]:
             ]
         )
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
-    return [
+    rendered = [
         "",
         *("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in table),
     ]
+    if runner:
+        rendered.append(
+            f"lines in flight: {runner['in_flight']} (window {runner['window']} of "
+            f"{runner['max_concurrency']}), {runner['waiting_to_retry']} waiting to retry, oldest call "
+            f"{runner['oldest_call_s']:g} s"
+            + (f", paused {runner['paused_s']:g} s" if runner["paused_s"] else "")
+        )
+    return rendered
 
 
 def _num(value: float | None, digits: int = 0) -> str:

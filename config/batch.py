@@ -46,6 +46,13 @@ class BatchConfig(StrictModel):
     line_retries: int = Field(
         20, ge=0, description="times a line turned away for load (429/503) is tried again before it fails"
     )
+    line_timeout_s: float = Field(
+        900,
+        gt=0,
+        description="a line's call to the gateway that has not answered in this long is cancelled and "
+        "tried again (counted as a retry): a call lost with a gateway replica never holds its place in "
+        "the window for good",
+    )
     file_ttl_s: float = Field(
         30 * 86400, gt=0, description="uploaded and output files are deleted this long after they are made"
     )

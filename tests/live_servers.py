@@ -61,7 +61,12 @@ def make_cluster_config(demo_models: dict, port: int):
             "http": {"host": "127.0.0.1", "port": port},
             # open mode: anyone may load LoRA adapters at run time (test_lora_api.py)
             "gateway": {"num_cpus": 0.1, "allow_runtime_lora_updating": True},
-            "batch": {"store": f"{batch_dir}/batch.sqlite3", "files_dir": f"{batch_dir}/files"},
+            # a line's call lost with a killed gateway replica is given up well within the tests' waits
+            "batch": {
+                "store": f"{batch_dir}/batch.sqlite3",
+                "files_dir": f"{batch_dir}/files",
+                "line_timeout_s": 30,
+            },
             "pools": [
                 {
                     "name": "chat",
@@ -150,7 +155,11 @@ def make_router_config(demo_models: dict, port: int):
             "http": {"host": "127.0.0.1", "port": port},
             "gateway": {"num_cpus": 0.1, "pool_health_period_s": 0.5},
             "embeddings": {"enabled": False},
-            "batch": {"store": f"{batch_dir}/batch.sqlite3", "files_dir": f"{batch_dir}/files"},
+            "batch": {
+                "store": f"{batch_dir}/batch.sqlite3",
+                "files_dir": f"{batch_dir}/files",
+                "line_timeout_s": 5,  # test_batch_api's held line (its lines here take under a second)
+            },
             "pools": [
                 {"name": "coding", "model": llama, "engine": engine, "max_in_flight": 2},
                 {"name": "reasoning", "model": llama, "engine": engine | {"max_model_len": 64}},

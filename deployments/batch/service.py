@@ -95,6 +95,8 @@ class BatchService:
         self._wake: asyncio.Event | None = None
         self._driver: asyncio.Task | None = None
         self._gateway = None
+        self._calls: dict[int, float] = {}  # the gateway calls in flight (by id): when each started
+        self._retrying = 0  # lines sleeping before their next try
 
     # -- driving ------------------------------------------------------------------------------------
 
@@ -301,16 +303,16 @@ class BatchService:
         try:
             for attempt in range(self.config.line_retries + 1):
                 started = time.monotonic()
-                try:
-                    status, body, busy = await self.gateway.run_batch_line.remote(key_id, line.url, line.body)
-                except Exception as e:  # the gateway replica died or is being replaced: not the line's
-                    logger.warning("batch %s line %d: the gateway failed: %s", batch["id"], line.number, e)
-                    status, body, busy = 503, None, True
+                status, body, busy = await self._call_gateway(batch["id"], key_id, line)
                 if status not in (429, 503) or attempt == self.config.line_retries:
                     break
                 held = False
                 await self._window.release(False)  # step back while it waits
-                await asyncio.sleep(wait_s)
+                self._retrying += 1
+                try:
+                    await asyncio.sleep(wait_s)
+                finally:
+                    self._retrying -= 1
                 wait_s = min(RETRY_S[1], wait_s * 2)
                 await self._window.acquire()
                 held = True
@@ -326,6 +328,44 @@ class BatchService:
         finally:
             if held:
                 await self._window.release(idle, time.monotonic() - started)
+
+    async def _call_gateway(
+        self, batch_id: str, key_id: str, line: InputLine
+    ) -> tuple[int, str | None, bool]:
+        """One try of a line: (status, JSON body or None when no gateway answered, busy). A call
+        unanswered after `line_timeout_s` is cancelled (Serve cancels it in the gateway and the pool)."""
+        response = self.gateway.run_batch_line.remote(key_id, line.url, line.body)
+        self._calls[id(response)] = time.monotonic()
+        try:
+            return await asyncio.wait_for(response, self.config.line_timeout_s)
+        except TimeoutError:
+            response.cancel()
+            logger.warning(
+                "batch %s line %d: no answer from the gateway in %g s: tried again",
+                batch_id, line.number, self.config.line_timeout_s,
+            )  # fmt: skip
+        except Exception as e:  # the gateway replica died or is being replaced: not the line's
+            logger.warning("batch %s line %d: the gateway failed: %s", batch_id, line.number, e)
+        finally:
+            del self._calls[id(response)]
+        return 503, None, True
+
+    def runner_state(self) -> dict:
+        """The window and the lines' calls (`raylane status`): lines in flight, the window's size and
+        limit, lines sleeping before their next try, the pause before the next line may start and how
+        long the oldest call in flight has waited."""
+        if self._window is None:
+            return {}
+        now_s = time.monotonic()
+        w = self._window
+        return {
+            "in_flight": w.in_flight,
+            "window": int(w.size),
+            "max_concurrency": w.max,
+            "waiting_to_retry": self._retrying,
+            "paused_s": round(max(0.0, w.resume_at - now_s), 1),
+            "oldest_call_s": round(now_s - min(self._calls.values(), default=now_s), 1),
+        }
 
     def _count(self, endpoint: str, status: int, record: dict) -> None:
         self.metrics.lines.labels(endpoint=endpoint, result="completed" if status < 400 else "failed").inc()

@@ -15,8 +15,10 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from raylane.cluster.status import collect, render
+from raylane.deployments.batch.service import service_name
+from raylane.deployments.detached import NAMESPACE
 from tests.integration.test_metrics import scrape, value
-from tests.live_servers import ROUTER_KEYS, wait_healthy, wait_until
+from tests.live_servers import ROUTER_APP, ROUTER_KEYS, wait_healthy, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 ENDED = ("completed", "failed", "expired", "cancelled")
@@ -198,7 +200,7 @@ def test_a_cancelled_batch_keeps_the_lines_it_finished(client):
     rows, app_wide = collect("raylane")  # `raylane status` lists it, with its progress
     (listed,) = [b for b in app_wide["batches"] if b["id"] == batch.id]
     assert listed["status"] == "in_progress" and listed["request_counts"]["completed"] >= 2
-    assert batch.id in render(rows, app_wide)
+    assert batch.id in render(rows, app_wide) and "lines in flight:" in render(rows, app_wide)
     assert client.batches.cancel(batch.id).status == "cancelling"
     batch, seen = wait_ended(client, batch.id)
     assert batch.status == "cancelled" and batch.cancelled_at is not None
@@ -224,17 +226,23 @@ def test_a_batch_survives_its_gateway_pool_and_actor_dying_and_runs_no_line_twic
 
     lines = [chat_line(f"l{i}", f"Name the colour number {i}.", max_tokens=24) for i in range(30)]
     batch = submit(client, lines)
+    actor = ray.get_actor(service_name("raylane"), namespace=NAMESPACE)
 
-    def completed() -> int:
-        return client.batches.retrieve(batch.id).request_counts.completed
+    def counts() -> dict:  # from the batch actor: no gateway needed to ask
+        return ray.get(actor.batch.remote(None, batch.id), timeout=30)["request_counts"]
 
-    wait_until(lambda: completed() >= 3, 120, "three lines done")
+    wait_until(lambda: counts()["completed"] >= 3, 120, "three lines done")
     gateway, pool = kill_one("raylane", "Gateway"), kill_one("raylane", "ModelPool:chat")
+    before = counts()  # no line can finish now until a new gateway serves it
     wait_until(lambda: replica_names("raylane", "Gateway") not in ([], [gateway]), 120, "a new gateway")
     wait_healthy(f"{api_server.url}/health", 120)
-    before = completed()
-    wait_until(lambda: completed() > before, 180, "a line done after the kills")
-    ray.kill(ray.get_actor("raylane-batch-raylane", namespace="raylane"), no_restart=False)
+    try:
+        wait_until(lambda: counts()["completed"] > before["completed"], 180, "a line done after the kills")
+    except TimeoutError as e:
+        state = ray.get(actor.runner_state.remote())
+        raise AssertionError(f"{e}; counts {before} -> {counts()}; lines: {state}") from None
+    assert counts()["completed"] < 30, "the batch ended before its actor could be killed mid-way"
+    ray.kill(actor, no_restart=False)
     batch, _ = wait_ended(client, batch.id, timeout_s=240)
     assert batch.status == "completed" and batch.request_counts.completed == 30
     output = records(client, batch.output_file_id)
@@ -270,6 +278,25 @@ def test_a_batch_is_taken_up_by_a_new_actor_after_the_app_restarts(client, api_s
     assert batch.status == "completed" and batch.request_counts.completed == 20
     output = records(client, batch.output_file_id)
     assert sorted(r["custom_id"] for r in output) == sorted(f"l{i}" for i in range(20))
+
+
+def test_a_line_whose_call_never_answers_is_cancelled_and_tried_again(router_server):
+    """The router app's `chat` pool holds every request while its fault is "hold": the line's call
+    gets no answer. Past `batch.line_timeout_s` (5 s there) it is cancelled and the line waits for
+    its next try, so a call lost with a gateway replica cannot hold a place in the window for good;
+    once the pool answers, the line completes, once."""
+    client = openai.OpenAI(base_url=router_server.base_url, api_key=ROUTER_KEYS["standard"], max_retries=0)
+    router_server.set_fault("chat", "hold")
+    try:
+        batch = submit(client, [chat_line("held", "Hi", max_tokens=4)])
+        actor = ray.get_actor(service_name(ROUTER_APP), namespace=NAMESPACE)
+        wait_until(lambda: ray.get(actor.runner_state.remote()).get("waiting_to_retry"), 60, "a second try")
+    finally:
+        router_server.set_fault("chat", None)
+    batch, _ = wait_ended(client, batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 1
+    (record,) = records(client, batch.output_file_id)
+    assert (record["custom_id"], record["response"]["status_code"]) == ("held", 200)
 
 
 def test_another_key_cannot_see_a_keys_batch_or_file(router_server):
