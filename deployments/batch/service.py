@@ -333,7 +333,7 @@ class BatchService:
         self, batch_id: str, key_id: str, line: InputLine
     ) -> tuple[int, str | None, bool]:
         """One try of a line: (status, JSON body or None when no gateway answered, busy). A call
-        unanswered after `line_timeout_s` is cancelled (Serve cancels it in the gateway and the pool)."""
+        unanswered after `line_timeout_s` is cancelled (Serve cancels the request in the gateway)."""
         response = self.gateway.run_batch_line.remote(key_id, line.url, line.body)
         self._calls[id(response)] = time.monotonic()
         try:
