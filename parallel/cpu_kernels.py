@@ -21,11 +21,12 @@ so are these, which times an AVX2-only CPU's code paths on an AVX-512 one (bench
 it cannot be built (no C++ compiler or ninja) the callers keep torch's kernels and say why.
 """
 
+import contextlib
 import hashlib
 import logging
 import os
-import shutil
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -73,14 +74,14 @@ def why_not_available() -> str | None:
             try:
                 from torch.utils.cpp_extension import load
 
-                _put_ninja_on_path()
-                load(
-                    _build_name(),
-                    [str(s) for s in SOURCES],
-                    extra_cflags=CFLAGS,
-                    extra_ldflags=["-fopenmp"],
-                    is_python_module=False,
-                )
+                with _packaged_ninja_first():
+                    load(
+                        _build_name(),
+                        [str(s) for s in SOURCES],
+                        extra_cflags=CFLAGS,
+                        extra_ldflags=["-fopenmp"],
+                        is_python_module=False,
+                    )
                 _register_fakes()
                 if (used := torch.ops.raylane_cpu.parallel_threads()) < torch.get_num_threads():
                     logger.warning(
@@ -93,15 +94,24 @@ def why_not_available() -> str | None:
         return _why_not
 
 
-def _put_ninja_on_path() -> None:
-    """torch runs `ninja` from PATH; a process started without the environment's bin folder on it
-    (a Ray worker, say) would not find the one the `ninja` package installed."""
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-        except ImportError:
-            return
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+@contextlib.contextmanager
+def _packaged_ninja_first() -> Iterator[None]:
+    """torch runs `ninja` from PATH: for the build, the `ninja` package's (a dependency) goes first,
+    in every process. Otherwise a process started with the environment's bin folder on PATH
+    (`raylane serve`) and one without it (a Ray worker of `pytest`, beside a system ninja-build) run
+    two ninja versions on one build folder; they hash commands differently in its build log (ninja
+    1.12 changed the hash), so each rebuilds all the kernels (~30 s of both cores) after the other."""
+    try:
+        import ninja
+    except ImportError:
+        yield
+        return
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
 
 
 def load() -> None:

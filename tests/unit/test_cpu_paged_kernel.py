@@ -202,3 +202,21 @@ def test_the_kernels_run_on_torchs_threads():
             assert torch.ops.raylane_cpu.parallel_threads() == threads
     finally:
         torch.set_num_threads(saved)
+
+
+def test_every_process_builds_with_the_packaged_ninja(tmp_path):
+    """A process whose PATH finds another ninja first (a system ninja-build, a Ray worker started
+    without the environment's bin folder) still builds with the `ninja` package's: two ninja versions
+    on one build folder each rebuilt all the kernels (~30 s) after the other had run."""
+    other = tmp_path / "other-ninja"
+    other.mkdir()
+    calls = tmp_path / "calls"
+    (other / "ninja").write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexit 1\n')
+    (other / "ninja").chmod(0o755)
+    env = os.environ | {"PATH": f"{other}{os.pathsep}{os.environ.get('PATH', '')}"}
+    load = "from raylane.parallel import cpu_kernels; print(cpu_kernels.why_not_available())"
+    result = subprocess.run(
+        [sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.stdout.strip() == "None", result.stdout + result.stderr[-2000:]
+    assert not calls.exists(), calls.read_text()
