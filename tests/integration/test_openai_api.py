@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from raylane.deployments.protocol.tool_calls import ToolCallStreamParser, parse_tool_calls
+from tests.live_servers import alive, descendants
 
 HELLO = [{"role": "user", "content": "Write one sentence about the sea."}]
 WEATHER_PARAMS = {
@@ -501,30 +502,6 @@ def test_health_reports_each_pool(api_server):
 
 
 # -- the command line ----------------------------------------------------------------------------
-
-
-def descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
 def start_raylane_serve(
