@@ -233,8 +233,8 @@ def wait_healthy(url: str, timeout_s: float) -> None:
     apps.wait_healthy(url, time.monotonic() + timeout_s)
 
 
-def descendants(pid: int) -> set[int]:
-    """Every process below `pid` (children, theirs, ...), from /proc."""
+def descendants(*pids: int) -> set[int]:
+    """Every process below `pids` (children, theirs, ...), from one read of /proc."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -242,7 +242,7 @@ def descendants(pid: int) -> set[int]:
         except OSError:
             continue
         children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
+    found, todo = set(), list(pids)
     while todo:
         for child in children.get(todo.pop(), []):
             found.add(child)
@@ -268,7 +268,8 @@ def stop_processes_mentioning(marker: str, grace_s: float = 3.0) -> None:
                 continue
         return pids
 
-    tree = {p for pid in matching() for p in {pid, *descendants(pid)}}
+    found = matching()
+    tree = found | descendants(*found)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in tree | matching():
             with contextlib.suppress(OSError):
@@ -279,8 +280,8 @@ def stop_processes_mentioning(marker: str, grace_s: float = 3.0) -> None:
 
 
 def alive(pid: int) -> bool:
+    """Running, not a zombie; False for a process that is gone, even one going as this reads it."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
         return False
-    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
