@@ -1,11 +1,12 @@
 # Two entry points on a fresh machine:
 #   make run   installs into .venv and runs the main job
 #   make test  installs into .venv (with the test extra) and runs lint + the test suite
+#   make compat  the compatibility suite: real client libraries (their own environments) against raylane
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-test run test lint bench clean
+.PHONY: install install-test run test lint bench clean compat compat-install
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,8 +40,31 @@ lint:
 test: install-test lint
 	$(BIN)/pytest -q
 
+# The compatibility suite (tests/compat/): openai-agents, pydantic-ai, instructor, langchain-openai,
+# llama-index, litellm, lm-eval, guidellm and aiperf against one live `raylane serve` (run from .venv).
+# The libraries cannot share raylane's environment nor all one of their own (pyproject's `compat`
+# extras say why): two environments, each installed from its extra's pinned list.
+COMPAT := .venv-compat
+COMPAT2 := .venv-compat-openai2
+EXTRA = $(BIN)/python -c "import sys, tomllib; \
+	print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies'][sys.argv[1]], sep='\n')"
+
+$(COMPAT)/bin/python $(COMPAT2)/bin/python:
+	$(PYTHON) -m venv $(dir $(@D))
+	$(dir $(@D))bin/pip install -q --upgrade pip
+
+compat-install: install $(COMPAT)/bin/python $(COMPAT2)/bin/python
+	$(EXTRA) compat > $(COMPAT)/requirements.txt
+	$(COMPAT)/bin/pip install -q torch==2.13.0
+	$(COMPAT)/bin/pip install -q -r $(COMPAT)/requirements.txt
+	$(EXTRA) compat-openai2 > $(COMPAT2)/requirements.txt
+	$(COMPAT2)/bin/pip install -q -r $(COMPAT2)/requirements.txt
+
+compat: compat-install
+	$(COMPAT)/bin/pytest -c tests/compat/pytest.ini tests/compat
+
 bench: install
 	$(BIN)/raylane bench engine
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(COMPAT) $(COMPAT2)

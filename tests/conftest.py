@@ -9,6 +9,10 @@ from tests.live_servers import api_server, client, router_server  # noqa: F401  
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The compatibility suite drives other libraries from their own environments: `make compat` runs it
+# (tests/compat/pytest.ini), not the main suite.
+collect_ignore = ["compat"]
+
 
 # Measured first, before the session-scoped router app exists: with its four replicas idling beside
 # them (health probes every 0.5 s, metric reports), the floods' CPU on two cores pushed premium TTFT
