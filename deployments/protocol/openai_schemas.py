@@ -112,7 +112,8 @@ class ContentPart(_Lenient):
     @model_validator(mode="after")
     def _text_only(self) -> ContentPart:
         if self.type != "text":
-            raise ValueError(f"only text content parts are supported (the models served take text), got {self.type!r}")
+            served = "only text content parts are supported (the models served take text)"
+            raise ValueError(f"{served}, got {self.type!r}")
         if self.text is None:
             raise ValueError("a text content part needs `text`")
         return self
