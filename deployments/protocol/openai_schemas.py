@@ -330,12 +330,21 @@ class CompletionRequest(SamplingRequest):
         return list(p)
 
 
-# What the gateway embeds: text (its MiniLM takes no token arrays, which are refused by name, not by
-# the schema, so the error says so); published as such.
+# What the gateway embeds: texts, or token-id arrays in the embedding model's own vocabulary.
 _EMBEDDING_TEXT = {"type": "string", "minLength": 1}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 EmbeddingInput = Annotated[
     str | list[str] | list[int] | list[list[int]],
-    WithJsonSchema({"anyOf": [_EMBEDDING_TEXT, {"type": "array", "items": _EMBEDDING_TEXT, "minItems": 1}]}),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                _EMBEDDING_TEXT,
+                {"type": "array", "items": _EMBEDDING_TEXT, "minItems": 1},
+                _TOKEN_IDS,
+                {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
+            ]
+        }
+    ),
 ]
 
 
