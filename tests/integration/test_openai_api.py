@@ -296,6 +296,33 @@ def test_named_tool_choice_calls_that_function(client):
     assert_valid_call(call.function.name, call.function.arguments)
 
 
+def test_a_forced_tool_beside_a_json_schema_format_is_called_by_its_schema(client):
+    """instructor and other clients send response_format with a forced tool: as OpenAI does, the call
+    follows the tool's schema (response_format would constrain text, and a forced call writes none)."""
+    answer = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    r = client.chat.completions.create(
+        model="chat",
+        messages=[{"role": "user", "content": "Weather in Lima for 2 days?"}],
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": answer}},
+        max_tokens=80,
+        temperature=0,
+    )
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    assert_valid_call(call.function.name, call.function.arguments)
+    with pytest.raises(openai.BadRequestError) as refused:  # vLLM's own constraint stays the only one
+        client.chat.completions.create(
+            model="chat",
+            messages=HELLO,
+            tools=TOOLS,
+            tool_choice="required",
+            extra_body={"structured_outputs": {"regex": "a+"}},
+        )
+    assert refused.value.body["param"] == "structured_outputs"
+
+
 def test_required_tool_choice_streamed_and_not(client):
     kwargs = dict(
         model="reasoning",
