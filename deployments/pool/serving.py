@@ -11,6 +11,7 @@ client went away) aborts the engine request, which frees its KV blocks.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 
 from raylane.bounded_worker import WorkerBusy, WorkerStarved
 from raylane.deployments.protocol.errors import OpenAIError, from_engine_value_error, invalid, unavailable
@@ -173,6 +174,20 @@ def engine_failure(
 
 def token_text(decoded: str | None) -> str:
     return decoded if decoded is not None else ""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamUsage:
+    """The usage a stream reports (`stream_options`): a last chunk with the whole request's
+    (`include_usage`), and with vLLM's `continuous_usage_stats` also each chunk's, so far."""
+
+    final: bool = False
+    every_chunk: bool = False
+
+    @classmethod
+    def of(cls, options) -> StreamUsage:
+        final = bool(options and options.include_usage)
+        return cls(final, final and bool(options.continuous_usage_stats))
 
 
 def usage(prompt_tokens: int, completion_tokens: list[int], output: RequestOutput) -> Usage:

@@ -11,6 +11,7 @@ from raylane.deployments.pool.chat_prompt import chat_prompt_ids
 from raylane.deployments.pool.reasoning_parser import ReasoningParser, reasoning_tokens, split_reasoning
 from raylane.deployments.pool.serving import (
     OpenAIServing,
+    StreamUsage,
     chain,
     engine_failure,
     engine_resumption,
@@ -89,10 +90,10 @@ class OpenAIServingChat(OpenAIServing):
                     body = self._chat_response(final, params, plan, response_id, created, model).to_json()
                     yield final_item(body, [gen])
                     return
-                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                report = StreamUsage.of(req.stream_options)
                 shown = self.resumed_texts(prompt_ids, engine_params, resume, range(params.n))
                 chunks = self._chat_chunks(
-                    first, gen, params, plan, response_id, created, model, include_usage, resume, shown
+                    first, gen, params, plan, response_id, created, model, report, resume, shown
                 )
                 async for chunk in chunks:
                     yield chunk
@@ -175,7 +176,7 @@ class OpenAIServingChat(OpenAIServing):
         response_id: str,
         created: int,
         model: str,
-        include_usage: bool,
+        report: StreamUsage,
         resume: ResumeState | None = None,
         shown: dict[int, str] | None = None,
     ) -> AsyncIterator[PoolItem]:
@@ -187,11 +188,11 @@ class OpenAIServingChat(OpenAIServing):
         def chunk(index: int, delta: ChatDelta, logprobs=None, finish_reason=None) -> str:
             choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
             body = ChatCompletionChunk(id=response_id, created=created, model=model, choices=[choice])
-            if include_usage:
-                body.usage = None
+            if report.final:  # null in every chunk but the last, unless usage so far is asked for
+                body.usage = usage(prompt_tokens, num_tokens, first) if report.every_chunk else None
             return sse(body)
 
-        n = params.n
+        n, prompt_tokens = params.n, len(first.prompt_token_ids)
         parsers = [ToolCallStreamParser() if plan.parse else None for _ in range(n)]
         thinkers = [
             ReasoningParser(self.reasoning_parser) if self.reasoning_parser else None for _ in range(n)
@@ -233,13 +234,13 @@ class OpenAIServingChat(OpenAIServing):
                 item.text = "".join(events)
                 yield item
                 events, item = [], StreamItem("")
-        if include_usage:
+        if report.final:
             body = ChatCompletionChunk(
                 id=response_id,
                 created=created,
                 model=model,
                 choices=[],
-                usage=usage(len(first.prompt_token_ids), num_tokens, first),
+                usage=usage(prompt_tokens, num_tokens, first),
             )
             if self.reasoning_parser is not None:
                 thinking = sum(

@@ -220,6 +220,7 @@ ResponseFormat = Annotated[
 
 class StreamOptions(_Lenient):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage so far in every chunk (with include_usage)
 
 
 class StructuredOutputs(_Request):

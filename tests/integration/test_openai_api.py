@@ -172,6 +172,30 @@ def test_stream_include_usage_ends_with_exact_usage(client, tokenizer):
     assert last.usage.total_tokens == last.usage.prompt_tokens + tokens
 
 
+def test_continuous_usage_stats_count_the_tokens_sent_so_far(client, tokenizer):
+    """vLLM's `continuous_usage_stats` (guidellm and aiperf ask for it): each chunk's usage counts the
+    completion tokens sent up to and with it (counted here by their logprobs), chat and completions."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    common = dict(model="chat", max_tokens=8, temperature=0, stream=True, stream_options=options)
+    chat = client.chat.completions.create(messages=HELLO, logprobs=True, **common)
+    completion = client.completions.create(prompt="The sea is", logprobs=1, **common)
+
+    def tokens_in(chunk) -> int:
+        if not chunk.choices or chunk.choices[0].logprobs is None:
+            return 0
+        logprobs = chunk.choices[0].logprobs
+        return len(logprobs.content if hasattr(logprobs, "content") else logprobs.tokens)
+
+    prompts = (prompt_tokens(tokenizer, HELLO), len(tokenizer.encode("The sea is", add_special_tokens=False)))
+    for chunks, prompt in zip((list(chat), list(completion)), prompts, strict=True):
+        sent = 0
+        for chunk in chunks:
+            sent += tokens_in(chunk)
+            assert chunk.usage is not None and chunk.usage.prompt_tokens == prompt
+            assert chunk.usage.completion_tokens == sent
+        assert sent == 8 and len(chunks) > 2
+
+
 def test_n_choices_streamed_and_not(client):
     r = client.chat.completions.create(
         model="chat", messages=HELLO, max_tokens=8, n=2, seed=5, temperature=1.0
