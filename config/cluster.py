@@ -80,6 +80,12 @@ class GatewayConfig(StrictModel):
         "(POST /v1/load_lora_adapter; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING). With keys, only keys "
         "of a tier with `admin: true` may, whatever this says.",
     )
+    lora_adapter_roots: list[str] = Field(
+        default_factory=list,
+        description="Directories an adapter loaded at run time must lie in, on the pool's nodes (its "
+        "path resolved there, symlinks included); empty: run-time loads are refused. The config's "
+        "own `pools[].adapters` are the operator's and not limited.",
+    )
     metrics_require_key: bool = Field(
         False,
         description="/metrics asks for an API key, as the API does (with keys configured); false: open "

@@ -450,9 +450,17 @@ class Gateway:
         so a bad adapter is this call's 400, never a failed request later."""
         req = await self.admin_body(request, LoadLoRAAdapterRequest)
         pool, name = self.lora.target(req.pool, req.lora_name)
-        await self.call_pool(pool, [], lambda handle: handle.check_adapter.remote(req.lora_path))
-        await self.lora.load(pool, name, req.lora_path, req.load_inplace)
-        logger.info("LoRA adapter %s loaded on pool %s from %s", name, pool, req.lora_path)
+        roots = self.config.gateway.lora_adapter_roots
+        if not roots:
+            raise invalid(
+                "lora_path", "No directory is open to run-time loads: set gateway.lora_adapter_roots."
+            )
+        checked = await self.call_pool(
+            pool, [], lambda handle: handle.check_adapter.remote(req.lora_path, roots)
+        )
+        path = json.loads(checked.body)["path"]  # resolved where the files are
+        await self.lora.load(pool, name, path, req.load_inplace)
+        logger.info("LoRA adapter %s loaded on pool %s from %s", name, pool, path)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", **route_docs(None, UnloadLoRAAdapterRequest))
