@@ -126,11 +126,13 @@ class LLMEngine:
         resume: Resumption | None = None,
         tenant: str = "",
         lora_request: LoRARequest | None = None,
+        cache_salt: str = "",
     ) -> str:
         """`resume`: the output each sample already produced on a replica that died; the request
         continues after it (engine/request.py `Resumption`). `tenant`: whose request it is (the
         scheduler shares each priority's slots between tenants). `lora_request`: the adapter to run
-        it with (an engine with `enable_lora`)."""
+        it with (an engine with `enable_lora`). `cache_salt` (vLLM's): the prefix-cache scope; its
+        blocks are shared only with requests of the same salt."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has_request(request_id):
@@ -144,7 +146,7 @@ class LLMEngine:
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         samples = self._fan_out(request_id, token_ids, params, priority, arrival_time, resume)
         for sample in samples:
-            sample.tenant, sample.lora = tenant, lora_request
+            sample.tenant, sample.lora, sample.cache_salt = tenant, lora_request, cache_salt
         self.output_processor.add_request(request_id, prompt, params, samples)
         for sample in samples:
             if not sample.status.finished:  # a resumed sample that had ended is not run again

@@ -112,7 +112,15 @@ class ModelPool:
         stream that a failed replica began (deployments/gateway/resumption.py)."""
         r = request
         items = self.chat_serving.chat(
-            r.body, r.params, r.tools, r.request_id, r.priority, r.resume, r.tenant, self._lora(r)
+            r.body,
+            r.params,
+            r.tools,
+            r.request_id,
+            r.priority,
+            r.resume,
+            r.tenant,
+            self._lora(r),
+            r.cache_salt,
         )
         async for item in self._forward(items):
             yield item
@@ -120,7 +128,7 @@ class ModelPool:
     async def completions(self, request: PoolRequest) -> AsyncIterator[PoolItem]:
         r = request
         items = self.completion_serving.completion(
-            r.body, r.params, r.request_id, r.priority, r.resume, r.tenant, self._lora(r)
+            r.body, r.params, r.request_id, r.priority, r.resume, r.tenant, self._lora(r), r.cache_salt
         )
         async for item in self._forward(items):
             yield item
@@ -130,7 +138,16 @@ class ModelPool:
         its events; `request.echo` holds the request's fields the response repeats."""
         r = request
         items = self.responses_serving.create(
-            r.body, r.params, r.tools, r.request_id, r.echo, r.priority, r.resume, r.tenant, self._lora(r)
+            r.body,
+            r.params,
+            r.tools,
+            r.request_id,
+            r.echo,
+            r.priority,
+            r.resume,
+            r.tenant,
+            self._lora(r),
+            r.cache_salt,
         )
         async for item in self._forward(items):
             yield item

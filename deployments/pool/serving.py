@@ -104,6 +104,7 @@ class OpenAIServing:
         resume: Resumption | None = None,
         tenant: str = "",
         lora_request: LoRARequest | None = None,
+        cache_salt: str = "",
     ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
         """Add the request and wait for its first output, so that a rejected request becomes an
         error before anything is sent. `resume`: the output a failed replica had sent already."""
@@ -115,6 +116,7 @@ class OpenAIServing:
             resume=resume,
             tenant=tenant,
             lora_request=lora_request,
+            cache_salt=cache_salt,
         )
         try:
             first = await gen.__anext__()

@@ -63,6 +63,7 @@ class OpenAIServingChat(OpenAIServing):
         resume: ResumeState | None = None,
         tenant: str = "",
         lora_request: LoRARequest | None = None,
+        cache_salt: str = "",
     ) -> AsyncIterator[PoolItem]:
         """`resume`: continue a stream that a failed replica began (deployments/protocol/wire.py)."""
         try:
@@ -75,7 +76,15 @@ class OpenAIServingChat(OpenAIServing):
             await self._compile(engine_params, grammar_param(req))
             resumed = engine_resumption(resume, params.n)
             first, gen = await self._start(
-                prompt_ids, engine_params, request_id, "messages", priority, resumed, tenant, lora_request
+                prompt_ids,
+                engine_params,
+                request_id,
+                "messages",
+                priority,
+                resumed,
+                tenant,
+                lora_request,
+                cache_salt,
             )
         except OpenAIError as e:
             yield e

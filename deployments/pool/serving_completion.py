@@ -50,6 +50,7 @@ class OpenAIServingCompletion(OpenAIServing):
         resume: ResumeState | None = None,
         tenant: str = "",
         lora_request: LoRARequest | None = None,
+        cache_salt: str = "",
     ) -> AsyncIterator[PoolItem]:
         """`resume`: continue a stream that a failed replica began (deployments/protocol/wire.py); a prompt
         whose choices had all ended is not run again."""
@@ -77,6 +78,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         resumed,
                         tenant,
                         lora_request,
+                        cache_salt,
                     )
                 )
         except OpenAIError as e:

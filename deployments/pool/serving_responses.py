@@ -45,6 +45,7 @@ class OpenAIServingResponses:
         resume: ResumeState | None = None,
         tenant: str = "",
         lora_request: LoRARequest | None = None,
+        cache_salt: str = "",
     ) -> AsyncIterator[PoolItem]:
         """`resume`: continue a stream that a failed replica began (deployments/protocol/wire.py); `echo`
         (with the response's id and created_at) is the same for every replica that serves it."""
@@ -57,7 +58,15 @@ class OpenAIServingResponses:
             await chat._compile(engine_params, grammar_param(req))
             resumed = engine_resumption(resume, params.n)
             first, gen = await chat._start(
-                prompt_ids, engine_params, request_id, "messages", priority, resumed, tenant, lora_request
+                prompt_ids,
+                engine_params,
+                request_id,
+                "messages",
+                priority,
+                resumed,
+                tenant,
+                lora_request,
+                cache_salt,
             )
         except OpenAIError as e:
             yield responses_error(e)
