@@ -195,7 +195,11 @@ class ModelPool:
         return await tokenize_off_loop(lambda: self.tokenization.tokenize(request), request)
 
     async def detokenize(self, request: DetokenizeRequest) -> str:
-        return self.tokenization.detokenize(request)
+        """vLLM's /detokenize: off the replica's event loop when long (a million ids took about a
+        second of it), at most the pool's context length."""
+        from raylane.deployments.pool.tokenize_offload import tokenize_off_loop
+
+        return await tokenize_off_loop(lambda: self.tokenization.detokenize(request), request)
 
     async def _forward(self, items: AsyncIterator[PoolItem]) -> AsyncIterator[PoolItem]:
         self.reporter.start()
