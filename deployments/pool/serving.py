@@ -62,13 +62,14 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
 
-    async def _compile(self, params: SamplingParams, param: str | None) -> None:
+    async def _compile(self, params: SamplingParams, param: str | None, tenant: str = "") -> None:
         """Compile the request's grammar in the bounded worker (raylane.engine.grammar_compiler), so the
-        engine loop only deserializes it; a grammar that is too complex is the client's 400."""
+        engine loop only deserializes it, within `tenant`'s share of it; a grammar that is too
+        complex is the client's 400."""
         if self.grammar is None or params.structured is None:
             return
         try:
-            await self.grammar.prepare(params.structured)
+            await self.grammar.prepare(params.structured, tenant)
         except WorkerBusy as e:
             raise OpenAIError(
                 f"This model's replica cannot compile the grammar now: {e}. Retry shortly.",

@@ -73,7 +73,7 @@ class OpenAIServingChat(OpenAIServing):
             self.check_length(len(prompt_ids), params.max_tokens, "messages", output)
             kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
             engine_params = params.clone(output_kind=kind)
-            await self._compile(engine_params, grammar_param(req))
+            await self._compile(engine_params, grammar_param(req), tenant)
             resumed = engine_resumption(resume, params.n)
             first, gen = await self._start(
                 prompt_ids,

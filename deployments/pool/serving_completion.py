@@ -64,7 +64,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts = await tokenize_off_loop(encode_all, req.prompt)
             for ids in prompts:
                 self.check_length(len(ids), params.max_tokens, "prompt")
-            await self._compile(params, grammar_param(req))
+            await self._compile(params, grammar_param(req), tenant)
             running = [k for k in range(len(prompts)) if not _ended(resume, range(k * n, (k + 1) * n))]
             for k in running:
                 resumed = engine_resumption(resume, n, k * n)

@@ -55,7 +55,7 @@ class OpenAIServingResponses:
             chat.check_length(len(prompt_ids), params.max_tokens, "messages", "max_tokens")
             kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
             engine_params = params.clone(output_kind=kind)
-            await chat._compile(engine_params, grammar_param(req))
+            await chat._compile(engine_params, grammar_param(req), tenant)
             resumed = engine_resumption(resume, params.n)
             first, gen = await chat._start(
                 prompt_ids,
