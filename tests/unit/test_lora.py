@@ -229,3 +229,26 @@ def test_an_adapters_files_changing_under_a_running_engine_fail_nothing(checkpoi
         shutil.rmtree(b.lora_path)
         assert engine_greedy(llm, [a] * len(PROMPTS)) == first  # loaded again, from memory
         assert engine_greedy(llm, [b] * len(PROMPTS))  # still served
+
+
+def test_a_request_waiting_for_an_adapter_slot_does_not_hold_up_the_requests_behind_it(checkpoint, tmp_path):
+    """One slot, pinned by a running request of adapter `a`: a request of adapter `b` waits for it,
+    and a base-model request that arrived after `b` runs meanwhile, then `b` once the slot frees."""
+    base = checkpoint("llama")
+    a, b = (
+        LoRARequest(name, i + 1, str(make_adapter(base, tmp_path / name, i, *ADAPTERS[name])))
+        for i, name in enumerate(["attn-r4", "all-r8"])
+    )
+    with LLM(base, num_kv_blocks=128, enable_lora=True, max_loras=1, max_lora_rank=16) as llm:
+        engine = llm.engine
+        engine.add_request(PROMPTS[0], greedy().clone(max_tokens=40), request_id="a", lora_request=a)
+        engine.step()
+        engine.add_request(PROMPTS[0], greedy(), request_id="b", lora_request=b)
+        engine.add_request(PROMPTS[1], greedy(), request_id="base")
+        engine.step()
+        running = {r.request_id for r in engine.scheduler.running}
+        assert running == {"a", "base"} and [r.request_id for r in engine.scheduler.waiting] == ["b"]
+        done = set()
+        while engine.has_unfinished_requests():
+            done |= {out.request_id for out in engine.step() if out.finished}
+        assert done == {"a", "b", "base"}
