@@ -95,9 +95,10 @@ class GatewayConfig(StrictModel):
         "own `pools[].adapters` are the operator's and not limited.",
     )
     metrics_require_key: bool = Field(
-        False,
-        description="/metrics asks for an API key, as the API does (with keys configured); false: open "
-        "to any scraper that reaches the port.",
+        True,
+        description="/metrics asks for an API key, as the API does (with keys configured: the pools, "
+        "tiers and traffic it shows are the operator's); false: open to any scraper that reaches the "
+        "port. Prometheus scrapes Ray's own metrics port on each pod, which needs no key.",
     )
     drain_timeout_s: float = Field(
         30.0,
