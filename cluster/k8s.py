@@ -198,8 +198,12 @@ def base_files(objects: dict[str, dict]) -> dict[str, str]:
 def demo_tier(config) -> str:
     """The tier of the public demo key: open mode's tier (anyone holding a published key is anyone),
     and never a privileged one: the highest priority, or no request or token limit."""
-    tiers = {t.name: t for t in config.tiers}
-    tier = tiers[config.api_keys.default_tier]
+    if config.api_keys.default_tier is None:
+        raise RenderError(
+            "api_keys.default_tier: --demo-secret gives the public demo key open mode's tier, and none "
+            "is set (the built-in `open` tier has no limits): name a rate-limited tier"
+        )
+    tier = {t.name: t for t in config.tiers}[config.api_keys.default_tier]
     if privileged(tier, config.tiers):
         raise RenderError(
             f"api_keys.default_tier: {tier.name!r} is privileged (top priority, or no request or token "

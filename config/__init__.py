@@ -44,6 +44,7 @@ from raylane.config.router import (
     compile_route_regex,
     default_routes,
     default_tiers,
+    open_tier,
 )
 
 __all__ = [
@@ -81,6 +82,7 @@ __all__ = [
     "default_config",
     "default_routes",
     "default_tiers",
+    "open_tier",
     "field_path",
     "format_errors",
 ]

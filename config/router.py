@@ -273,6 +273,13 @@ def default_tiers() -> list[TierConfig]:
     ]
 
 
+def open_tier() -> TierConfig:
+    """Open mode's tier unless `api_keys.default_tier` names one: no rate limits, and requests wait
+    for a pool (up to its own `max_waiting`) rather than being turned away, as vLLM's server queues
+    them: a benchmark or an eval tool run against a local server gets answers, not floods of 429."""
+    return TierConfig(name="open", priority=1, max_queue_depth=1_000_000, max_queue_wait_s=600.0)
+
+
 def _check_tiers(tiers: list[TierConfig]) -> list[TierConfig]:
     if not tiers:
         raise ValueError("at least one tier is needed")
@@ -295,11 +302,16 @@ class ApiKeysConfig(StrictModel):
     keys: dict[SecretStr, str] = Field(default_factory=dict, description="inline keys: key -> tier name")
     env: str | None = Field(None, description="environment variable holding keys, same format as `file`")
     file: str | None = Field(None, description="path of a key file, e.g. a mounted Kubernetes Secret")
-    default_tier: str = Field("standard", description="tier of every request in open mode (no keys)")
+    default_tier: str | None = Field(
+        None,
+        description="tier of every request in open mode (no keys); null: the built-in `open` tier, "
+        "without rate limits (one local user: a developer, a benchmark or eval run), as vLLM's server. "
+        "Name a limited tier for a cluster others can reach",
+    )
 
     def check_tiers(self, tier_names: list[str]) -> None:
         """Raise ValueError naming the field when a key or the default refers to an unknown tier."""
-        if self.default_tier not in tier_names:
+        if self.default_tier is not None and self.default_tier not in tier_names:
             raise ValueError(f"api_keys.default_tier: no tier is named {self.default_tier!r} ({tier_names})")
         for tier in self.keys.values():
             if tier not in tier_names:

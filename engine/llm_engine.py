@@ -31,7 +31,7 @@ from raylane.engine.scheduler import Scheduler, SchedulerOutput
 from raylane.engine.spec_decode import RejectionSampler, SpecDecodeStats, make_proposer
 from raylane.engine.tokenizer import eos_token_ids, load_tokenizer
 from raylane.models.decoder import sliding_window_of
-from raylane.parallel.lora import check_adapter
+from raylane.parallel.lora import AdapterWeights, read_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,8 @@ class LLMEngine:
             ).start()
         self._ids = itertools.count()
         self._lora_paths: dict[int, str] = {}  # adapter id -> its directory, once validated
+        # adapter id -> its weights as read then: adapters are the operator's (config, admin loads)
+        self._lora_weights: dict[int, AdapterWeights] = {}
 
     # -- requests in ---------------------------------------------------------------------------
 
@@ -124,11 +126,13 @@ class LLMEngine:
         resume: Resumption | None = None,
         tenant: str = "",
         lora_request: LoRARequest | None = None,
+        cache_salt: str = "",
     ) -> str:
         """`resume`: the output each sample already produced on a replica that died; the request
         continues after it (engine/request.py `Resumption`). `tenant`: whose request it is (the
         scheduler shares each priority's slots between tenants). `lora_request`: the adapter to run
-        it with (an engine with `enable_lora`)."""
+        it with (an engine with `enable_lora`). `cache_salt` (vLLM's): the prefix-cache scope; its
+        blocks are shared only with requests of the same salt."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has_request(request_id):
@@ -142,7 +146,7 @@ class LLMEngine:
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         samples = self._fan_out(request_id, token_ids, params, priority, arrival_time, resume)
         for sample in samples:
-            sample.tenant, sample.lora = tenant, lora_request
+            sample.tenant, sample.lora, sample.cache_salt = tenant, lora_request, cache_salt
         self.output_processor.add_request(request_id, prompt, params, samples)
         for sample in samples:
             if not sample.status.finished:  # a resumed sample that had ended is not run again
@@ -154,17 +158,19 @@ class LLMEngine:
         adapters, a missing or unreadable file, a rank or tensor that does not fit the model)."""
         if not self.config.enable_lora:
             raise ValueError("lora_request: this engine serves no adapters (start it with enable_lora)")
-        check_adapter(lora_path, self.hf_config, self.config.max_lora_rank)
+        read_adapter(lora_path, self.hf_config, self.config.max_lora_rank)
 
     def _validate_lora(self, lora: LoRARequest) -> None:
-        """What the runner would fail on when it loads the adapter, found before the request is
-        accepted (a load that failed inside a step would end the engine for everyone)."""
+        """Read and check the adapter before the request is accepted, once per adapter id, and keep
+        its weights: the step that loads a slot copies them from memory and reads no file (a load
+        that failed inside a step, on files changed since, would end the engine for everyone)."""
         if not self.config.enable_lora:
             raise ValueError("lora_request: this engine serves no adapters (start it with enable_lora)")
         known = self._lora_paths.get(lora.lora_int_id)
         if known is None:
-            check_adapter(lora.lora_path, self.hf_config, self.config.max_lora_rank)
+            weights = read_adapter(lora.lora_path, self.hf_config, self.config.max_lora_rank)
             self._lora_paths[lora.lora_int_id] = lora.lora_path
+            self._lora_weights[lora.lora_int_id] = weights
         elif known != lora.lora_path:
             raise ValueError(f"lora_request: lora_int_id {lora.lora_int_id} is already {known!r}")
 
@@ -324,7 +330,7 @@ class LLMEngine:
                 batch.sample_indices.extend(range(last - len(drafts), last + 1))
         slots = self.scheduler.lora_slots
         if slots is not None:
-            batch.lora_loads = slots.take_loads()
+            batch.lora_loads = [(slot, self._lora_weights[i]) for slot, i in slots.take_loads()]
             if any(r.lora is not None for r in scheduled.requests):
                 batch.lora_slots = [slots.slot_of(r.lora) for r in scheduled.requests]
         return batch, sampling

@@ -55,6 +55,7 @@ class Request:
     # Whose request it is (the gateway's key id; "" for none): within a priority, the scheduler
     # serves first the tenant that has the fewest requests running.
     tenant: str = ""
+    cache_salt: str = ""  # prefix-cache scope: blocks are shared only among requests of one salt
     lora: LoRARequest | None = None  # the adapter it runs with (engine/lora.py); None: the base model
     arrival_time: float = field(default_factory=time.monotonic)
     max_total_tokens: int = 0  # prompt + output may not exceed this (the model's context)

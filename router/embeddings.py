@@ -6,6 +6,7 @@ the cosine similarity.
 """
 
 import functools
+import json
 import threading
 
 import numpy as np
@@ -26,6 +27,13 @@ def _model():
     from sentence_transformers import SentenceTransformer
 
     return SentenceTransformer(model_path(), device="cpu", local_files_only=True)
+
+
+@functools.cache
+def vocab_size() -> int:
+    """MiniLM's vocabulary, from its config file (no model load): the token ids a client may send."""
+    with open(f"{model_path()}/config.json") as f:
+        return json.load(f)["vocab_size"]
 
 
 def embed(texts: list[str], batch_size: int = 32) -> np.ndarray:
@@ -51,6 +59,28 @@ def start_worker() -> None:
     _model()
 
 
-def embed_with_counts(texts: list[str]) -> tuple[np.ndarray, list[int]]:
-    """`embed` and `count_tokens` of `texts`, in one call to the worker."""
-    return embed(texts), count_tokens(texts)
+def embed_with_counts(inputs: list[str] | list[list[int]]) -> tuple[np.ndarray, list[int]]:
+    """The vectors and token counts of `inputs`, texts or token-id arrays, in one call to the worker."""
+    if inputs and isinstance(inputs[0], list):
+        return embed_ids(inputs)
+    return embed(inputs), count_tokens(inputs)
+
+
+def embed_ids(rows: list[list[int]]) -> tuple[np.ndarray, list[int]]:
+    """Vectors of token-id arrays in MiniLM's own vocabulary, as they are (vLLM's meaning: no [CLS] or
+    [SEP] added), truncated to the model's length like text; and the tokens each used. The same
+    pooling and normalisation as `embed`: a text's ids (with its [CLS] and [SEP]) give its vector."""
+    import torch
+
+    model = _model()
+    rows = [row[: model.max_seq_length] for row in rows]
+    input_ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
+    features = {"input_ids": input_ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(mask)}
+    with _lock, torch.inference_mode():
+        vectors = model(features)["sentence_embedding"]
+    vectors = torch.nn.functional.normalize(vectors, dim=-1)
+    return vectors.numpy().astype(np.float32), [len(row) for row in rows]

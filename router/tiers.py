@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from raylane.config import ApiKeysConfig, TierConfig
+from raylane.config import ApiKeysConfig, TierConfig, open_tier
 from raylane.router.errors import AuthenticationError
 
 logger = logging.getLogger(__name__)
@@ -70,8 +70,10 @@ class ApiKeyAuthenticator:
         self._checked_at = clock()
         self._keys = self._load_all()
         self.open_mode = not self._keys
+        default = config.default_tier
+        self.open_tier = open_tier() if default is None else self._tiers[default]
         if self.open_mode:
-            logger.warning(OPEN_MODE_BANNER.format(tier=config.default_tier))
+            logger.warning(OPEN_MODE_BANNER.format(tier=self.open_tier.name))
 
     def authenticate(self, headers: Mapping[str, str], client: str | None = None) -> Principal:
         """The caller's principal from `Authorization: Bearer KEY` or `x-api-key: KEY`.
@@ -80,9 +82,7 @@ class ApiKeyAuthenticator:
         rate limits. Otherwise a missing or unknown key raises AuthenticationError (401).
         """
         if self.open_mode:
-            return Principal(
-                f"anonymous:{client}" if client else "anonymous", self._tiers[self._config.default_tier]
-            )
+            return Principal(f"anonymous:{client}" if client else "anonymous", self.open_tier)
         self._maybe_reload()
         key = presented_key(headers)
         if key is None:

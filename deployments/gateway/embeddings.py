@@ -11,7 +11,7 @@ from raylane.bounded_worker import BoundedWorker, WorkerBusy, WorkerTimeout
 from raylane.config import EmbeddingsConfig
 from raylane.deployments.protocol.errors import invalid, model_not_found, unavailable
 from raylane.deployments.protocol.openai_schemas import Embedding, EmbeddingRequest, EmbeddingResponse, Usage
-from raylane.router.embeddings import embed_with_counts, start_worker
+from raylane.router.embeddings import embed_with_counts, start_worker, vocab_size
 from raylane.router.errors import OverloadedError
 
 # Texts per turn on the embeddings worker: a call of 2,048 texts takes it in 64 turns, and a call
@@ -32,16 +32,12 @@ async def create_embeddings(cfg: EmbeddingsConfig, req: EmbeddingRequest, key: s
 
     if not cfg.enabled or req.model != cfg.model_id:
         raise model_not_found(req.model)
-    texts = [req.input] if isinstance(req.input, str) else req.input
-    if not texts:
-        raise invalid("input", "input must not be empty.")
-    if not all(isinstance(t, str) for t in texts):
-        raise invalid("input", f"{cfg.model_id} takes text; token arrays are not supported.")
-    if len(texts) > cfg.max_inputs:
-        raise invalid("input", f"At most {cfg.max_inputs} inputs per request, got {len(texts)}.")
-    if not all(texts):
-        raise invalid("input", "input strings must not be empty.")
-    vectors, counts = await _take_turns(texts, key)
+    inputs = _inputs(req.input)
+    if len(inputs) > cfg.max_inputs:
+        raise invalid("input", f"At most {cfg.max_inputs} inputs per request, got {len(inputs)}.")
+    if isinstance(inputs[0], list):
+        _check_token_ids(inputs, cfg.model_id)
+    vectors, counts = await _take_turns(inputs, key)
     if req.dimensions is not None and req.dimensions != vectors.shape[1]:
         raise invalid("dimensions", f"{cfg.model_id} returns {vectors.shape[1]} dimensions only.")
     data = [
@@ -51,7 +47,32 @@ async def create_embeddings(cfg: EmbeddingsConfig, req: EmbeddingRequest, key: s
     return EmbeddingResponse(data=data, model=cfg.model_id, usage=usage)
 
 
-async def _take_turns(texts: list[str], key: str) -> tuple[np.ndarray, list[int]]:
+def _inputs(value: str | list) -> list[str] | list[list[int]]:
+    """OpenAI's four shapes of `input` as a list of texts or of token-id arrays, none empty."""
+    if isinstance(value, str) or (value and isinstance(value[0], int)):
+        value = [value]
+    if not value:
+        raise invalid("input", "input must not be empty.")
+    if not all(value):
+        raise invalid("input", "inputs must not be empty strings or arrays.")
+    return value
+
+
+def _check_token_ids(rows: list[list[int]], model_id: str) -> None:
+    """Token ids are the embedding model's own (as in vLLM; a tiktoken id means nothing to MiniLM):
+    one outside its vocabulary is the client's 400, naming where it is."""
+    size = vocab_size()
+    for i, row in enumerate(rows):
+        for j, token in enumerate(row):
+            if not 0 <= token < size:
+                raise invalid(
+                    f"input[{i}][{j}]",
+                    f"Token id {token} is outside {model_id}'s vocabulary of {size} ids: token arrays "
+                    f"must hold {model_id}'s own ids (send text otherwise).",
+                )
+
+
+async def _take_turns(texts: list[str] | list[list[int]], key: str) -> tuple[np.ndarray, list[int]]:
     """MiniLM's vectors and token counts of `texts`, TURN_TEXTS at a time, each turn queued on the
     embeddings worker after the last one ends: calls arriving together are served turn by turn (the
     worker's queue is first come, first served), and a call whose client has gone (the request task

@@ -186,6 +186,9 @@ class PoolHealth:
             down.cancel()
             if not first.done():
                 first.cancel()
+                # Cancelled with its client, the pool call ends with Serve's RequestCancelledError
+                # rather than as cancelled: retrieved here, not logged as "never retrieved".
+                first.add_done_callback(_retrieve)
         if not first.done() or first.cancelled():
             raise PoolOutage(pool)
         return first.result()
@@ -202,3 +205,8 @@ class PoolHealth:
                 "circuit": str(self.router.circuit_state(name)),
             }
         return {"open_mode": self.router.open_mode, "pools": state}
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -19,6 +19,7 @@ request's `messages` / `prompt` (debugging only). Lines go to `RAYLANE_REQUEST_L
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import logging
@@ -34,6 +35,7 @@ from raylane.deployments.metrics.gateway import gateway_metrics
 from raylane.deployments.protocol.wire import RequestSummary
 
 REQUEST_ID_HEADER = "x-request-id"
+CLIENT_CLOSED = 499  # the status of a request whose client went away before the response began
 MAX_PROMPT_BODY = 1 << 20  # with RAYLANE_LOG_PROMPTS, bodies larger than this are not logged
 
 _current: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar(
@@ -236,8 +238,11 @@ class RequestLogMiddleware:
         token = _current.set(record)
         try:
             await self.app(scope, receive_wrapper if capture_prompt else receive, send_wrapper)
-        except BaseException:
-            record.status = record.status or 500
+        except BaseException as e:
+            # Serve cancels the handler when its client hangs up: before a response began that is the
+            # client's doing (nginx's 499, "client closed request"), not a server error on the 5xx
+            # rate an on-call watches.
+            record.status = record.status or (CLIENT_CLOSED if _client_went_away(e) else 500)
             raise
         finally:
             _current.reset(token)
@@ -273,6 +278,10 @@ class RequestLogMiddleware:
             return
         if record.error_code == "overloaded":  # the router's load shedding (rate limits are not)
             record.shed = True
+
+
+def _client_went_away(error: BaseException) -> bool:
+    return isinstance(error, asyncio.CancelledError) or type(error).__name__ == "RequestCancelledError"
 
 
 def _app_path(scope) -> str:

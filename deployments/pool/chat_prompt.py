@@ -61,6 +61,11 @@ def chat_prompt_ids(
 
 def template_message(message) -> dict:
     data = message.model_dump(exclude_none=True)
+    if isinstance(data.get("content"), list):
+        # Text parts as one string, joined by newlines as vLLM does: most templates concatenate
+        # `content` as a string (SmolLM2's, Llama's) and fail on a list. The schema admits only text
+        # parts while every model served is text-only.
+        data["content"] = "\n".join(part["text"] for part in data["content"])
     if isinstance(message, SystemMessage):
         data["role"] = "system"  # `developer` is OpenAI's new name for it
     if isinstance(message, AssistantMessage):

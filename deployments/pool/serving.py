@@ -11,6 +11,7 @@ client went away) aborts the engine request, which frees its KV blocks.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 
 from raylane.bounded_worker import WorkerBusy, WorkerStarved
 from raylane.deployments.protocol.errors import OpenAIError, from_engine_value_error, invalid, unavailable
@@ -61,13 +62,14 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
 
-    async def _compile(self, params: SamplingParams, param: str | None) -> None:
+    async def _compile(self, params: SamplingParams, param: str | None, tenant: str = "") -> None:
         """Compile the request's grammar in the bounded worker (raylane.engine.grammar_compiler), so the
-        engine loop only deserializes it; a grammar that is too complex is the client's 400."""
+        engine loop only deserializes it, within `tenant`'s share of it; a grammar that is too
+        complex is the client's 400."""
         if self.grammar is None or params.structured is None:
             return
         try:
-            await self.grammar.prepare(params.structured)
+            await self.grammar.prepare(params.structured, tenant)
         except WorkerBusy as e:
             raise OpenAIError(
                 f"This model's replica cannot compile the grammar now: {e}. Retry shortly.",
@@ -103,6 +105,7 @@ class OpenAIServing:
         resume: Resumption | None = None,
         tenant: str = "",
         lora_request: LoRARequest | None = None,
+        cache_salt: str = "",
     ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
         """Add the request and wait for its first output, so that a rejected request becomes an
         error before anything is sent. `resume`: the output a failed replica had sent already."""
@@ -114,6 +117,7 @@ class OpenAIServing:
             resume=resume,
             tenant=tenant,
             lora_request=lora_request,
+            cache_salt=cache_salt,
         )
         try:
             first = await gen.__anext__()
@@ -173,6 +177,20 @@ def engine_failure(
 
 def token_text(decoded: str | None) -> str:
     return decoded if decoded is not None else ""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamUsage:
+    """The usage a stream reports (`stream_options`): a last chunk with the whole request's
+    (`include_usage`), and with vLLM's `continuous_usage_stats` also each chunk's, so far."""
+
+    final: bool = False
+    every_chunk: bool = False
+
+    @classmethod
+    def of(cls, options) -> StreamUsage:
+        final = bool(options and options.include_usage)
+        return cls(final, final and bool(options.continuous_usage_stats))
 
 
 def usage(prompt_tokens: int, completion_tokens: list[int], output: RequestOutput) -> Usage:

@@ -11,6 +11,7 @@ from raylane.deployments.pool.chat_prompt import chat_prompt_ids
 from raylane.deployments.pool.reasoning_parser import ReasoningParser, reasoning_tokens, split_reasoning
 from raylane.deployments.pool.serving import (
     OpenAIServing,
+    StreamUsage,
     chain,
     engine_failure,
     engine_resumption,
@@ -62,6 +63,7 @@ class OpenAIServingChat(OpenAIServing):
         resume: ResumeState | None = None,
         tenant: str = "",
         lora_request: LoRARequest | None = None,
+        cache_salt: str = "",
     ) -> AsyncIterator[PoolItem]:
         """`resume`: continue a stream that a failed replica began (deployments/protocol/wire.py)."""
         try:
@@ -71,10 +73,18 @@ class OpenAIServingChat(OpenAIServing):
             self.check_length(len(prompt_ids), params.max_tokens, "messages", output)
             kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
             engine_params = params.clone(output_kind=kind)
-            await self._compile(engine_params, grammar_param(req))
+            await self._compile(engine_params, grammar_param(req), tenant)
             resumed = engine_resumption(resume, params.n)
             first, gen = await self._start(
-                prompt_ids, engine_params, request_id, "messages", priority, resumed, tenant, lora_request
+                prompt_ids,
+                engine_params,
+                request_id,
+                "messages",
+                priority,
+                resumed,
+                tenant,
+                lora_request,
+                cache_salt,
             )
         except OpenAIError as e:
             yield e
@@ -89,10 +99,10 @@ class OpenAIServingChat(OpenAIServing):
                     body = self._chat_response(final, params, plan, response_id, created, model).to_json()
                     yield final_item(body, [gen])
                     return
-                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                report = StreamUsage.of(req.stream_options)
                 shown = self.resumed_texts(prompt_ids, engine_params, resume, range(params.n))
                 chunks = self._chat_chunks(
-                    first, gen, params, plan, response_id, created, model, include_usage, resume, shown
+                    first, gen, params, plan, response_id, created, model, report, resume, shown
                 )
                 async for chunk in chunks:
                     yield chunk
@@ -175,7 +185,7 @@ class OpenAIServingChat(OpenAIServing):
         response_id: str,
         created: int,
         model: str,
-        include_usage: bool,
+        report: StreamUsage,
         resume: ResumeState | None = None,
         shown: dict[int, str] | None = None,
     ) -> AsyncIterator[PoolItem]:
@@ -187,11 +197,11 @@ class OpenAIServingChat(OpenAIServing):
         def chunk(index: int, delta: ChatDelta, logprobs=None, finish_reason=None) -> str:
             choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
             body = ChatCompletionChunk(id=response_id, created=created, model=model, choices=[choice])
-            if include_usage:
-                body.usage = None
+            if report.final:  # null in every chunk but the last, unless usage so far is asked for
+                body.usage = usage(prompt_tokens, num_tokens, first) if report.every_chunk else None
             return sse(body)
 
-        n = params.n
+        n, prompt_tokens = params.n, len(first.prompt_token_ids)
         parsers = [ToolCallStreamParser() if plan.parse else None for _ in range(n)]
         thinkers = [
             ReasoningParser(self.reasoning_parser) if self.reasoning_parser else None for _ in range(n)
@@ -233,13 +243,13 @@ class OpenAIServingChat(OpenAIServing):
                 item.text = "".join(events)
                 yield item
                 events, item = [], StreamItem("")
-        if include_usage:
+        if report.final:
             body = ChatCompletionChunk(
                 id=response_id,
                 created=created,
                 model=model,
                 choices=[],
-                usage=usage(len(first.prompt_token_ids), num_tokens, first),
+                usage=usage(prompt_tokens, num_tokens, first),
             )
             if self.reasoning_parser is not None:
                 thinking = sum(

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from raylane.deployments.pool.serving import (
     OpenAIServing,
+    StreamUsage,
     chain,
     encode,
     engine_failure,
@@ -49,6 +50,7 @@ class OpenAIServingCompletion(OpenAIServing):
         resume: ResumeState | None = None,
         tenant: str = "",
         lora_request: LoRARequest | None = None,
+        cache_salt: str = "",
     ) -> AsyncIterator[PoolItem]:
         """`resume`: continue a stream that a failed replica began (deployments/protocol/wire.py); a prompt
         whose choices had all ended is not run again."""
@@ -62,7 +64,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts = await tokenize_off_loop(encode_all, req.prompt)
             for ids in prompts:
                 self.check_length(len(ids), params.max_tokens, "prompt")
-            await self._compile(params, grammar_param(req))
+            await self._compile(params, grammar_param(req), tenant)
             running = [k for k in range(len(prompts)) if not _ended(resume, range(k * n, (k + 1) * n))]
             for k in running:
                 resumed = engine_resumption(resume, n, k * n)
@@ -76,6 +78,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         resumed,
                         tenant,
                         lora_request,
+                        cache_salt,
                     )
                 )
         except OpenAIError as e:
@@ -94,13 +97,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 body = self._completion_response(finals, echoes, params, response_id, created, model)
                 yield final_item(body.to_json(), streams)
                 return
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            report = StreamUsage.of(req.stream_options)
             shown = {}
             for k in running:
                 shown |= self.resumed_texts(prompts[k], params, resume, range(k * n, (k + 1) * n))
             resumed = Resumed(resume, shown, running, sum(len(ids) for ids in prompts))
             async for chunk in self._completion_chunks(
-                started, echoes, params, response_id, created, model, include_usage, resumed
+                started, echoes, params, response_id, created, model, report, resumed
             ):
                 yield chunk
         except EngineDeadError as e:
@@ -159,18 +162,23 @@ class OpenAIServingCompletion(OpenAIServing):
         response_id: str,
         created: int,
         model: str,
-        include_usage: bool,
+        report: StreamUsage,
         resumed: Resumed | None = None,
     ) -> AsyncIterator[PoolItem]:
         """Each item carries the token ids whose text it holds (`StreamItem`). A resumed stream sends
         no echo again, its logprobs' text offsets carry on after the text sent before, and its usage
         counts the tokens sent before too."""
 
+        # Prompts whose choices had all ended before a resumption are not started again: counted still.
+        prompt_tokens = sum(len(first.prompt_token_ids) for first, _ in started)
+        if resumed is not None:
+            prompt_tokens = resumed.prompt_tokens
+
         def chunk(index: int, text: str, logprobs=None, finish_reason=None) -> str:
             choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
             body = Completion(id=response_id, created=created, model=model, choices=[choice])
-            if include_usage:
-                body.usage = None
+            if report.final:
+                body.usage = usage(prompt_tokens, num_tokens, started[0][0]) if report.every_chunk else None
             return sse(body)
 
         n = params.n
@@ -208,10 +216,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 item.text = "".join(events)
                 yield item
                 events, item = [], StreamItem("")
-        if include_usage:
-            prompt_tokens = sum(len(first.prompt_token_ids) for first, _ in started)
-            if resumed is not None:  # prompts whose choices had all ended are not started again
-                prompt_tokens = resumed.prompt_tokens
+        if report.final:
             body = Completion(
                 id=response_id,
                 created=created,

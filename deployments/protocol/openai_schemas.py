@@ -112,7 +112,8 @@ class ContentPart(_Lenient):
     @model_validator(mode="after")
     def _text_only(self) -> ContentPart:
         if self.type != "text":
-            raise ValueError(f"only text content parts are supported, got {self.type!r}")
+            served = "only text content parts are supported (the models served take text)"
+            raise ValueError(f"{served}, got {self.type!r}")
         if self.text is None:
             raise ValueError("a text content part needs `text`")
         return self
@@ -219,6 +220,7 @@ ResponseFormat = Annotated[
 
 class StreamOptions(_Lenient):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage so far in every chunk (with include_usage)
 
 
 class StructuredOutputs(_Request):
@@ -329,12 +331,21 @@ class CompletionRequest(SamplingRequest):
         return list(p)
 
 
-# What the gateway embeds: text (its MiniLM takes no token arrays, which are refused by name, not by
-# the schema, so the error says so); published as such.
+# What the gateway embeds: texts, or token-id arrays in the embedding model's own vocabulary.
 _EMBEDDING_TEXT = {"type": "string", "minLength": 1}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 EmbeddingInput = Annotated[
     str | list[str] | list[int] | list[list[int]],
-    WithJsonSchema({"anyOf": [_EMBEDDING_TEXT, {"type": "array", "items": _EMBEDDING_TEXT, "minItems": 1}]}),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                _EMBEDDING_TEXT,
+                {"type": "array", "items": _EMBEDDING_TEXT, "minItems": 1},
+                _TOKEN_IDS,
+                {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
+            ]
+        }
+    ),
 ]
 
 

@@ -47,16 +47,17 @@ def chat_params(req: ChatCompletionRequest) -> tuple[SamplingParams, ToolPlan]:
         raise invalid("top_logprobs", "top_logprobs requires logprobs to be true.")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     plan, tool_grammar = _tool_plan(req)
-    constraints = [
-        c for c in (_response_format(req), _structured_outputs(req), tool_grammar) if c is not None
-    ]
-    if len(constraints) > 1:
+    response_format, structured = _response_format(req), _structured_outputs(req)
+    if structured is not None and (response_format is not None or tool_grammar is not None):
         raise invalid(
-            "response_format",
-            "Use one output constraint: response_format, structured_outputs or a forced tool choice.",
+            "structured_outputs",
+            "structured_outputs is a request's only output constraint: drop response_format and the "
+            "forced tool choice, or structured_outputs.",
         )
-    params = _sampling_params(req, req.max_output_tokens, logprobs, constraints[0] if constraints else None)
-    return params, plan
+    # A forced tool call is constrained by the tool's schema, as OpenAI does: response_format would
+    # constrain text, and a forced call writes none (it is still checked above: a bad schema is a 400).
+    constraint = tool_grammar or response_format or structured
+    return _sampling_params(req, req.max_output_tokens, logprobs, constraint), plan
 
 
 def completion_params(req: CompletionRequest) -> SamplingParams:

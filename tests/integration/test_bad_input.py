@@ -189,7 +189,10 @@ def test_bad_completion_and_embedding_input(http):
         post("/v1/completions", json={"model": "chat", "prompt": "x", "logprobs": 9}), 400, "logprobs"
     )
     assert_error(post("/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": ""}), 400, "input")
-    assert_error(post("/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": [[1, 2]]}), 400, "input")
+    # Token ids are MiniLM's own: one past its 30,522 is named where it is.
+    r = post("/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": [[101, 2], [7, 30522]]})
+    assert "30522" in assert_error(r, 400, "input[1][1]")["message"]
+    assert_error(post("/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": [[1], []]}), 400, "input")
     r = post("/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": "x", "dimensions": 64})
     assert_error(r, 400, "dimensions")
 

@@ -19,8 +19,10 @@ from prometheus_client.parser import text_string_to_metric_families
 TIMEOUT_S = 60
 
 
-def scrape(url: str) -> dict[tuple[str, frozenset], float]:
-    r = httpx2.get(f"{url}/metrics", timeout=60)
+def scrape(url: str, key: str | None = None) -> dict[tuple[str, frozenset], float]:
+    """/metrics of the app at `url`, read with API key `key` where it has keys."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = httpx2.get(f"{url}/metrics", headers=headers, timeout=60)
     assert r.status_code == 200, r.text
     assert r.headers["content-type"].startswith("text/plain")
     return {
@@ -213,8 +215,14 @@ def test_a_whole_response_its_client_left_is_counted_as_aborted(api_server):
     }
     labels = {"pool": "chat"}
     before = scrape(api_server.url)
+    request_id = f"test-{uuid.uuid4().hex[:12]}"
     with pytest.raises(httpx2.TimeoutException):
-        httpx2.post(f"{api_server.base_url}/chat/completions", json=body, timeout=1.0)
+        httpx2.post(
+            f"{api_server.base_url}/chat/completions",
+            json=body,
+            headers={"x-request-id": request_id},
+            timeout=1.0,
+        )
 
     def delta(samples, name, **more):
         return value(samples, name, **labels, **more) - value(before, name, **labels, **more)
@@ -226,10 +234,44 @@ def test_a_whole_response_its_client_left_is_counted_as_aborted(api_server):
     after = wait_for(counted, "the aborted request in /metrics")
     assert 0 < delta(after, "raylane_generation_tokens_total") < 2000
     assert delta(after, "raylane_request_success_total") == 1  # and not also as finished ("length")
+    # The client hung up: its 499 (nginx's "client closed request"), not a 5xx an on-call would see.
+    http = {"endpoint": "/v1/chat/completions"}
+    assert wait_for(lambda: http_delta(before, scrape(api_server.url), "499", **http) == 1, "the 499")
+    assert http_delta(before, scrape(api_server.url), "500", **http) == 0
+    [line] = wait_for(lambda: request_log_lines(request_id), "the request's log line")
+    assert json.loads(line)["status"] == 499
+    noise = [line for line in gateway_log_lines() if "never retrieved" in line]
+    assert not noise, noise[-3:]
+
+
+def http_delta(before: dict, after: dict, status_code: str, **labels) -> float:
+    name, labels = "raylane_http_requests_total", {**labels, "status_code": status_code}
+    return value(after, name, **labels) - value(before, name, **labels)
+
+
+def serve_logs() -> str:
+    import ray
+
+    return os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs", "serve")
+
+
+def request_log_lines(request_id: str) -> list[str]:
+    lines = []
+    for path in glob.glob(os.path.join(serve_logs(), "raylane_requests_*.jsonl")):
+        with open(path) as f:
+            lines += [line for line in f if request_id in line]
+    return lines
+
+
+def gateway_log_lines() -> list[str]:
+    lines = []
+    for path in glob.glob(os.path.join(serve_logs(), "replica_*Gateway*.log")):
+        with open(path, errors="replace") as f:
+            lines += f.readlines()
+    return lines
 
 
 def test_request_log_line_has_the_fields_and_never_the_prompt(api_server):
-    import ray
 
     request_id = f"test-{uuid.uuid4().hex[:12]}"
     secret = "zebra-secret-7731"
@@ -242,16 +284,7 @@ def test_request_log_line_has_the_fields_and_never_the_prompt(api_server):
     assert r.status_code == 200, r.text
     assert r.headers.get_list("x-request-id") == [request_id]
     usage = r.json()["usage"]
-    folder = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs", "serve")
-
-    def logged():
-        lines = []
-        for path in glob.glob(os.path.join(folder, "raylane_requests_*.jsonl")):
-            with open(path) as f:
-                lines += [line for line in f if request_id in line]
-        return lines
-
-    lines = wait_for(logged, "the request's log line")
+    lines = wait_for(lambda: request_log_lines(request_id), "the request's log line")
     assert len(lines) == 1 and secret not in lines[0]
     entry = json.loads(lines[0])
     assert entry["request_id"] == request_id and entry["endpoint"] == "/v1/chat/completions"
@@ -285,7 +318,7 @@ def test_a_fallback_and_a_shed_are_counted_with_their_labels(router_server):
         health = httpx2.get(f"{server.url}/health", headers=headers, timeout=60).json()
         return health["router"]["pools"][pool]["in_flight"]
 
-    before = scrape(server.url)
+    before = scrape(server.url, ROUTER_KEYS["premium"])
     r = chat("premium", "reasoning", " ".join(["tell me about the weather"] * 40))
     assert r.status_code == 200, r.text
     assert r.headers["x-raylane-fallback"] == "reasoning;reason=context_length"
@@ -306,7 +339,7 @@ def test_a_fallback_and_a_shed_are_counted_with_their_labels(router_server):
     fallback = {"from_pool": "reasoning", "to_pool": "chat", "reason": "context_length"}
 
     def counted():
-        after = scrape(server.url)
+        after = scrape(server.url, ROUTER_KEYS["premium"])
         return delta(after, "raylane_fallbacks_total", **fallback) >= 1 and after
 
     after = wait_for(counted, "the fallback in /metrics")

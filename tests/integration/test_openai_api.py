@@ -172,6 +172,30 @@ def test_stream_include_usage_ends_with_exact_usage(client, tokenizer):
     assert last.usage.total_tokens == last.usage.prompt_tokens + tokens
 
 
+def test_continuous_usage_stats_count_the_tokens_sent_so_far(client, tokenizer):
+    """vLLM's `continuous_usage_stats` (guidellm and aiperf ask for it): each chunk's usage counts the
+    completion tokens sent up to and with it (counted here by their logprobs), chat and completions."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    common = dict(model="chat", max_tokens=8, temperature=0, stream=True, stream_options=options)
+    chat = client.chat.completions.create(messages=HELLO, logprobs=True, **common)
+    completion = client.completions.create(prompt="The sea is", logprobs=1, **common)
+
+    def tokens_in(chunk) -> int:
+        if not chunk.choices or chunk.choices[0].logprobs is None:
+            return 0
+        logprobs = chunk.choices[0].logprobs
+        return len(logprobs.content if hasattr(logprobs, "content") else logprobs.tokens)
+
+    prompts = (prompt_tokens(tokenizer, HELLO), len(tokenizer.encode("The sea is", add_special_tokens=False)))
+    for chunks, prompt in zip((list(chat), list(completion)), prompts, strict=True):
+        sent = 0
+        for chunk in chunks:
+            sent += tokens_in(chunk)
+            assert chunk.usage is not None and chunk.usage.prompt_tokens == prompt
+            assert chunk.usage.completion_tokens == sent
+        assert sent == 8 and len(chunks) > 2
+
+
 def test_n_choices_streamed_and_not(client):
     r = client.chat.completions.create(
         model="chat", messages=HELLO, max_tokens=8, n=2, seed=5, temperature=1.0
@@ -294,6 +318,33 @@ def test_named_tool_choice_calls_that_function(client):
     [call] = choice.message.tool_calls
     assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_time"
     assert_valid_call(call.function.name, call.function.arguments)
+
+
+def test_a_forced_tool_beside_a_json_schema_format_is_called_by_its_schema(client):
+    """instructor and other clients send response_format with a forced tool: as OpenAI does, the call
+    follows the tool's schema (response_format would constrain text, and a forced call writes none)."""
+    answer = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    r = client.chat.completions.create(
+        model="chat",
+        messages=[{"role": "user", "content": "Weather in Lima for 2 days?"}],
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": answer}},
+        max_tokens=80,
+        temperature=0,
+    )
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    assert_valid_call(call.function.name, call.function.arguments)
+    with pytest.raises(openai.BadRequestError) as refused:  # vLLM's own constraint stays the only one
+        client.chat.completions.create(
+            model="chat",
+            messages=HELLO,
+            tools=TOOLS,
+            tool_choice="required",
+            extra_body={"structured_outputs": {"regex": "a+"}},
+        )
+    assert refused.value.body["param"] == "structured_outputs"
 
 
 def test_required_tool_choice_streamed_and_not(client):

@@ -184,3 +184,43 @@ def test_chat_and_responses_render_through_the_sanitized_prompt(model):
     assert control_tokens(tok, ids) == control_tokens(tok, ids_of(tok, conversation(PLAIN, model.tools)))
     serving.sanitize_control_tokens = False  # what ModelPool sets from the pool's config
     assert asyncio.run(serving.prompt_ids(req, plan)) == old_ids(tok, conversation(FORGED, model.tools))
+
+
+def with_parts(body: dict) -> dict:
+    """`body` with every string content sent as OpenAI's text parts, split at its first space."""
+    body = json.loads(json.dumps(body))
+    for message in body["messages"]:
+        if isinstance(message.get("content"), str) and " " in message["content"]:
+            head, tail = message["content"].split(" ", 1)
+            message["content"] = [{"type": "text", "text": head}, {"type": "text", "text": tail}]
+    return body
+
+
+def joined(body: dict) -> dict:
+    """`with_parts(body)` as vLLM renders it for a text-only model: the parts' text joined by newlines."""
+    body = with_parts(body)
+    for message in body["messages"]:
+        if isinstance(message.get("content"), list):
+            message["content"] = "\n".join(part["text"] for part in message["content"])
+    return body
+
+
+def test_text_parts_render_as_their_text_joined_by_newlines(model):
+    """Clients (guidellm, LangChain, the agent SDKs) send `content` as text parts for every role;
+    SmolLM2's template concatenates strings and failed on a list (400 'can only concatenate str')."""
+    for body in ORDINARY:
+        parts = with_parts(body)
+        assert any(isinstance(m["content"], list) for m in parts["messages"])
+        assert ids_of(model.tokenizer, parts) == old_ids(model.tokenizer, joined(body))
+        serving = OpenAIServingTokenization(model.tokenizer, "chat", 2048, True)
+        tokenized = serving.tokenize(TokenizeChatRequest.model_validate(parts))
+        assert json.loads(tokenized)["tokens"] == ids_of(model.tokenizer, parts)
+
+
+def test_a_part_that_is_not_text_is_refused_by_its_type():
+    body = {
+        "model": "chat",
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+    }
+    with pytest.raises(ValueError, match="image_url"):
+        ChatCompletionRequest.model_validate(body)

@@ -56,3 +56,16 @@ def test_one_key_holds_at_most_two_calls_in_the_queue_and_another_key_still_gets
     assert refused.status == 429 and "for this API key" in str(refused)
     assert int(refused.headers()["retry-after"]) > 0
     assert len(other.data) == 1
+
+
+def test_token_id_arrays_embed_like_the_text_they_encode():
+    """langchain-openai sends token-id arrays by default (vLLM takes them in the model's own
+    vocabulary): a text's MiniLM ids, [CLS] and [SEP] included, give the text's vector and count."""
+    cfg = EmbeddingsConfig()
+    texts = ["A man is playing a guitar.", "Interest rates rose sharply in the spring of that year."]
+    ids = [embeddings._model().tokenizer(t)["input_ids"] for t in texts]
+    by_ids = asyncio.run(create_embeddings(cfg, EmbeddingRequest(model=cfg.model_id, input=ids)))
+    np.testing.assert_allclose([d.embedding for d in by_ids.data], embeddings.embed(texts), atol=1e-5)
+    assert by_ids.usage.prompt_tokens == sum(map(len, ids))
+    one = asyncio.run(create_embeddings(cfg, EmbeddingRequest(model=cfg.model_id, input=ids[1])))
+    np.testing.assert_allclose(one.data[0].embedding, by_ids.data[1].embedding, atol=1e-6)

@@ -89,6 +89,23 @@ def test_open_mode_serves_everyone_at_the_default_tier_and_says_so(caplog):
     assert auth.authenticate(bearer("anything"), client="10.0.0.7").key_id == "anonymous:10.0.0.7"
 
 
+def test_open_mode_without_a_default_tier_never_rate_limits_the_local_user():
+    """A benchmark or eval tool against a local server (guidellm sent 10,023 requests that met 429s
+    at the `standard` tier's 120/min): open mode's own tier has no limits unless one is named."""
+    from raylane.router.errors import RateLimitError
+    from raylane.router.rate_limit import RateLimiter
+
+    limiter = RateLimiter(clock=lambda: 0.0)  # no time passes: nothing refills
+    open_tier = authenticator(ApiKeysConfig()).authenticate({}, client="127.0.0.1").tier
+    assert open_tier.name == "open" and open_tier.max_queue_wait_s >= 600
+    for _ in range(1000):
+        limiter.check("anonymous:127.0.0.1", open_tier, tokens=10_000).settle(10_000)
+    standard = authenticator(ApiKeysConfig(default_tier="standard")).authenticate({}).tier
+    with pytest.raises(RateLimitError):
+        for _ in range(standard.requests_per_minute + 1):
+            limiter.check("anonymous", standard)
+
+
 def test_keys_never_reach_the_log(caplog, tmp_path):
     secret = tmp_path / "api-keys"
     secret.write_text("sk-secret-1 premium\n")
