@@ -95,10 +95,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ready(url: str) -> bool:
+READY_LINE = "raylane: OpenAI API at"  # printed once every replica is up
+
+
+def _ready(url: str, log: Path) -> bool:
+    """Every replica up (the CLI says so) and /health 200 (the gateway has seen the pool)."""
+    if READY_LINE not in log.read_text(errors="replace"):
+        return False
     try:
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
-            return MODEL in r.read().decode()
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+            return r.status == 200
     except OSError:
         return False
 
@@ -123,7 +129,7 @@ def server():
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not _ready(url):
+        while not _ready(url, log):
             if process.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"raylane serve did not start; its log ({log}):\n{log.read_text()[-4000:]}")
             time.sleep(1)

@@ -112,3 +112,15 @@ def test_embeddings_of_token_ids_equal_those_of_the_text(openai_client):
 def _cosine(a, b) -> float:
     dot = sum(x * y for x, y in zip(a, b, strict=True))
     return dot / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+
+
+def test_completion_echoes_the_prompt_with_its_logprobs(openai_client):
+    """What lm-eval and other harnesses send for a loglikelihood: the prompt back with each token's
+    logprob (the first has none), and with max_tokens 0 nothing generated."""
+    prompt = "The capital of France is Paris"
+    reply = openai_client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    choice = reply.choices[0]
+    assert choice.text == prompt and reply.usage.completion_tokens == 0
+    logprobs = choice.logprobs.token_logprobs
+    assert logprobs[0] is None and len(logprobs) == reply.usage.prompt_tokens
+    assert all(lp <= 0 for lp in logprobs[1:])
