@@ -220,6 +220,11 @@ class ClusterConfig(StrictModel):
                         )
         return self
 
+    def with_key_digests(self) -> ClusterConfig:
+        """This config with its inline API keys as their digests: what Ray's GCS may keep of it (the
+        gateway's init arguments, the live-config record); the gateway authenticates with digests."""
+        return self.model_copy(update={"api_keys": self.api_keys.with_digests()})
+
     def pool(self, name: str) -> PoolConfig:
         return next(p for p in self.pools if p.name == name)
 
