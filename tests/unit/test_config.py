@@ -299,3 +299,17 @@ def test_a_config_takes_new_sections_validated_as_a_whole():
     named = r"(?s)user config.*router\.routes\[0\]\.pool: 'coding' is not a pool"
     with pytest.raises(ConfigError, match=named):
         base.with_sections(wrong, "user config")
+
+
+def test_a_batch_store_url_with_a_password_is_refused_naming_the_field():
+    """A config travels into a RayService's serveConfigV2 and Ray's GCS: the password comes from
+    PGPASSWORD (a Secret in the pod's environment), never the URL."""
+    for url in (
+        "postgresql://raylane:hunter2@db/raylane",
+        "postgresql://raylane@db/raylane?password=hunter2",
+    ):
+        with pytest.raises(ConfigError, match="batch.store: the URL holds a password") as refused:
+            ClusterConfig.from_dict({"pools": [pool()], "batch": {"store": url}})
+        assert "hunter2" not in str(refused.value)
+    ok = ClusterConfig.from_dict({"pools": [pool()], "batch": {"store": "postgresql://raylane@db/raylane"}})
+    assert ok.batch.store == "postgresql://raylane@db/raylane"
