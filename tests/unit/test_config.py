@@ -313,3 +313,32 @@ def test_a_batch_store_url_with_a_password_is_refused_naming_the_field():
         assert "hunter2" not in str(refused.value)
     ok = ClusterConfig.from_dict({"pools": [pool()], "batch": {"store": "postgresql://raylane@db/raylane"}})
     assert ok.batch.store == "postgresql://raylane@db/raylane"
+
+
+def test_no_peer_may_name_a_clients_address_to_serves_proxy():
+    """Open mode keys callers by address (fair shares, stored responses): Serve's proxy (uvicorn)
+    would take it from X-Forwarded-For sent by any local peer, HAProxy or a client on the node. Under
+    raylane's Serve settings it keeps the connection's own address."""
+    import asyncio
+
+    from uvicorn.config import Config
+    from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+    from raylane.cluster.serve_env import SERVE_ENV, serve_env
+
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(scope["client"][0])
+
+    with serve_env():
+        trusted = Config(app).forwarded_allow_ips  # as Serve's proxy builds its uvicorn Config
+    assert SERVE_ENV["FORWARDED_ALLOW_IPS"] == trusted
+    scope = {
+        "type": "http",
+        "client": ("127.0.0.1", 5000),
+        "headers": [(b"x-forwarded-for", b"6.6.6.6")],
+    }
+    asyncio.run(ProxyHeadersMiddleware(app, trusted_hosts=trusted)(scope, None, None))
+    asyncio.run(ProxyHeadersMiddleware(app)(dict(scope), None, None))  # uvicorn's own default
+    assert seen == ["127.0.0.1", "6.6.6.6"]
