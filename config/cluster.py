@@ -125,6 +125,18 @@ class GatewayConfig(StrictModel):
         description="Most stored responses of one API key (open mode: one client address); past it the "
         "key's own oldest go, so one key cannot push out another's.",
     )
+    responses_max_bytes_per_key: int = Field(
+        64 * 2**20,
+        ge=1,
+        description="Most bytes of stored responses (each with its conversation) one API key keeps; past "
+        "it the key's own oldest go (a record larger than this is not stored).",
+    )
+    responses_max_bytes: int = Field(
+        1024 * 2**20,
+        ge=1,
+        description="Most bytes of stored responses in all; past it the oldest of the key holding the most "
+        "bytes go.",
+    )
     responses_ttl_s: float = Field(
         3600.0, gt=0, description="How long a stored response is kept, in seconds."
     )
@@ -219,6 +231,11 @@ class ClusterConfig(StrictModel):
                             f"router.routes[{i}].{field}: {name!r} is not a pool (pools: {pools})"
                         )
         return self
+
+    def with_key_digests(self) -> ClusterConfig:
+        """This config with its inline API keys as their digests: what Ray's GCS may keep of it (the
+        gateway's init arguments, the live-config record); the gateway authenticates with digests."""
+        return self.model_copy(update={"api_keys": self.api_keys.with_digests()})
 
     def pool(self, name: str) -> PoolConfig:
         return next(p for p in self.pools if p.name == name)

@@ -680,6 +680,8 @@ class Gateway:
                 gateway.responses_max_stored,
                 gateway.responses_ttl_s,
                 gateway.responses_max_stored_per_key,
+                gateway.responses_max_bytes,
+                gateway.responses_max_bytes_per_key,
             )
             self._stored_responses = StoredResponses(store)
         return self._stored_responses

@@ -96,7 +96,10 @@ class OpenAIServingChat(OpenAIServing):
             try:
                 if not req.stream:
                     final = await last(first, gen)
-                    body = self._chat_response(final, params, plan, response_id, created, model).to_json()
+                    # Reasoning is split and its tokens counted (decoding the output) off the loop
+                    # when the output is long (deployments/pool/tokenize_offload.py).
+                    build = lambda: self._chat_response(final, params, plan, response_id, created, model)  # noqa: E731
+                    body = (await tokenize_off_loop(build, [c.token_ids for c in final.outputs])).to_json()
                     yield final_item(body, [gen])
                     return
                 report = StreamUsage.of(req.stream_options)
@@ -252,10 +255,11 @@ class OpenAIServingChat(OpenAIServing):
                 usage=usage(prompt_tokens, num_tokens, first),
             )
             if self.reasoning_parser is not None:
-                thinking = sum(
+                count = lambda: sum(  # noqa: E731 - decodes prefixes of the output: off the loop when long
                     reasoning_tokens(t, self.tokenizer, ids)
                     for t, ids in zip(thinkers, output_ids, strict=True)
                 )
+                thinking = await tokenize_off_loop(count, output_ids)
                 body.usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=thinking)
             events.append(sse(body))
         yield final_item("".join([*events, DONE]), [gen])

@@ -89,7 +89,9 @@ class OpenAIServingCompletion(OpenAIServing):
         response_id = f"cmpl-{request_id}"
         created = resume.created if resume is not None else int(time.time())
         model = served_model(self.model_id, lora_request)
-        echoes = [self._prompt_text(p) if req.echo else "" for p in req.prompts()]
+        # Token-id prompts are decoded for their echo off the loop when long.
+        echo_all = lambda: [self._prompt_text(p) if req.echo else "" for p in req.prompts()]  # noqa: E731
+        echoes = await tokenize_off_loop(echo_all, req.prompt if req.echo else "")
         streams = [gen for _, gen in started]
         try:
             if not req.stream:
