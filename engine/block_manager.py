@@ -86,8 +86,10 @@ class BlockManager:
 
     def get_computed_blocks(self, request: Request) -> list[int]:
         """Leading blocks of the request already in the cache. At least one token is always
-        left to compute, since the model must produce logits for the last one."""
-        if not self.enable_prefix_caching:
+        left to compute, since the model must produce logits for the last one. None for a request
+        whose prompt logprobs are still to be read: a cached position is never forwarded, so its
+        logits would never come (engine/prompt_logprobs.py)."""
+        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
             return []
         self._update_hashes(request, request.num_tokens - 1)
         hits: list[int] = []

@@ -24,6 +24,7 @@ from raylane.engine.lora import LoRARequest, LoRASlots
 from raylane.engine.model_runner import ModelInput
 from raylane.engine.output_processor import OutputProcessor
 from raylane.engine.outputs import RequestOutput
+from raylane.engine.prompt_logprobs import PromptLogprobRows, add_prompt_rows
 from raylane.engine.request import Request, RequestStatus, Resumption
 from raylane.engine.sampler import Sampler
 from raylane.engine.sampling_params import SamplingParams
@@ -218,6 +219,8 @@ class LLMEngine:
             )
             if resume is not None:
                 sample.all_token_ids.extend(resume.token_ids[index])
+                # Its prompt logprobs went out, with its first output, from the replica that failed.
+                sample.prompt_logprobs_position = sample.num_prompt_tokens
                 if (reason := resume.finish_reason(index)) is not None:
                     sample.status = RequestStatus.finished_with(reason)
             if params.structured is not None:
@@ -271,13 +274,15 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.requests:
             return []
-        batch, sampling = self._prepare_input(scheduled)
+        batch, sampling, prompt_rows = self._prepare_input(scheduled)
         logits = self._execute(batch)
         for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
             # Drafts count as computed only once verified (below).
             request.num_computed_tokens += num_new - len(request.spec_token_ids)
             self.block_manager.cache_full_blocks(request)
             self.block_manager.free_outside_window(request)
+        for rows in prompt_rows:
+            self.output_processor.add_prompt_logprobs(rows.request, rows.read(logits))
         plain = [(row, r) for row, r in sampling if not r.spec_token_ids]
         if plain:
             rows = [row for row, _ in plain]
@@ -308,15 +313,21 @@ class LLMEngine:
         self.block_manager.cache_full_blocks(request)
         self.block_manager.free_outside_window(request)
 
-    def _prepare_input(self, scheduled: SchedulerOutput) -> tuple[ModelInput, list[tuple[int, Request]]]:
-        """The step's batch, and (first logits row, request) of every request that samples: one row,
-        or 1 + k consecutive rows for a request verifying k drafts."""
+    def _prepare_input(
+        self, scheduled: SchedulerOutput
+    ) -> tuple[ModelInput, list[tuple[int, Request]], list[PromptLogprobRows]]:
+        """The step's batch; (first logits row, request) of every request that samples: one row, or
+        1 + k consecutive rows for a request verifying k drafts; the rows of prompt positions whose
+        logprobs are asked for (engine/prompt_logprobs.py)."""
         batch = ModelInput([], [], [], [], [], [])
         sampling: list[tuple[int, Request]] = []
+        prompt_rows: list[PromptLogprobRows] = []
         for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
             start = request.num_computed_tokens
             end = start + num_new
             drafts = request.spec_token_ids
+            if (rows := add_prompt_rows(batch, request, len(batch.token_ids), start, end)) is not None:
+                prompt_rows.append(rows)
             batch.token_ids.extend(request.all_token_ids[start : end - len(drafts)])
             batch.token_ids.extend(drafts)
             batch.positions.extend(range(start, end))
@@ -333,7 +344,7 @@ class LLMEngine:
             batch.lora_loads = [(slot, self._lora_weights[i]) for slot, i in slots.take_loads()]
             if any(r.lora is not None for r in scheduled.requests):
                 batch.lora_slots = [slots.slot_of(r.lora) for r in scheduled.requests]
-        return batch, sampling
+        return batch, sampling, prompt_rows
 
     def _execute(self, batch: ModelInput) -> torch.Tensor:
         if self._dead is not None:
