@@ -24,7 +24,7 @@ def test_guidellm_chat_benchmark_has_no_errors(server, model_files, tmp_path):
     """guidellm's chat requests: content as text parts, streamed with continuous_usage_stats."""
     report = tmp_path / "benchmarks.json"
     options = (
-        f"--backend kind=openai_http,target={server.url},model={MODEL} --profile kind=constant,rate=2 "
+        f"--backend kind=openai_http,target={server.url},model={MODEL} --profile kind=concurrent,streams=2 "
         f"--constraint kind=max_duration,seconds={SECONDS} "
         "--data kind=synthetic_text,prompt_tokens=128,output_tokens=32 "
         f"--tokenizer kind=huggingface_auto,model={model_files['tokenizer']} "
@@ -39,7 +39,7 @@ def test_guidellm_chat_benchmark_has_no_errors(server, model_files, tmp_path):
     def median(name: str) -> float:
         return metrics[name]["successful"]["median"]
 
-    FIGURES["guidellm (constant 2 req/s, 128 in / 32 out, 20 s)"] = (
+    FIGURES["guidellm (concurrency 2, 128 in / 32 out, 20 s)"] = (
         f"{totals['successful']} ok, {totals['errored']} errors, {totals['incomplete']} cut at the end; "
         f"TTFT median {median('time_to_first_token_ms'):.0f} ms, ITL median "
         f"{median('inter_token_latency_ms'):.1f} ms, {median('output_tokens_per_second'):.1f} output tok/s"

@@ -2,7 +2,7 @@
 
 Three local tasks (tests/compat/lm_eval_tasks/): perplexity of ten passages (rolling
 loglikelihood) and 24 multiple-choice questions, through `local-completions` (token ids in, `echo`
-with `logprobs` back: prompt logprobs); and ten HumanEval prompts answered greedily through
+with `logprobs` back: prompt logprobs); and eight HumanEval prompts answered greedily through
 `local-chat-completions` with the chat template. The `hf` backend runs transformers in float32 on the
 dequantized weights, as the compat server's pool does."""
 
@@ -17,7 +17,7 @@ from tests.compat.conftest import FIGURES, MODEL
 TASKS = Path(__file__).with_name("lm_eval_tasks")
 LOGLIKELIHOOD_TOL = 1e-3  # nats, per item: float32 on both sides, sums in another order
 PERPLEXITY_RTOL = 1e-3
-GENERATIONS = 10
+GENERATIONS = 8
 
 
 def task(name: str, data_file: Path) -> dict:
