@@ -48,6 +48,7 @@ class OutputWriter:
         `batch_expired` error lines)."""
         batch = self.store.batch(batch_id)
         owner, _ = self.store.owner_of(batch_id)
+        self.quota.usage(owner)  # counted before the pages move bytes (a first count reads the store)
         state = self.store.output_state(batch_id) or self._begin(batch)
         pending: deque[tuple[int, str]] = deque()
         if state["ending"] == "expired":

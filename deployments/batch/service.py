@@ -160,6 +160,7 @@ class BatchService:
 
     def _delete(self, owner: str, file_id: str) -> bool:
         record = self.store.file(file_id, owner)
+        self.quota.usage(owner)  # counted before the store changes (a first count reads the store)
         if record is None or not self.store.delete_file(file_id, owner):
             return False
         self.quota.release(owner, 1, record["bytes"])
