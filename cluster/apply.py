@@ -89,6 +89,8 @@ def changed_fields(old, new, prefix: str = "") -> list[str]:
 def plan_changes(old: ClusterConfig, new: ClusterConfig) -> Plan:
     """What applying `new` over `old` does; ConfigError naming the field when it cannot be applied."""
     plan = Plan()
+    # Keys compared as digests: the running config's record holds only those.
+    old, new = old.with_key_digests(), new.with_key_digests()
     before, after = old.model_dump(exclude={"pools"}), new.model_dump(exclude={"pools"})
     changed = changed_fields(before, after)
     if fixed := [f for f in changed if f in FIXED_FIELDS]:

@@ -36,6 +36,10 @@ from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 
 SERVE_ENV = {
+    # Serve's proxy (uvicorn) takes a client's address from X-Forwarded-For when the peer is local,
+    # and HAProxy on the same node, or any local process, is one: open mode keys its callers by
+    # address, so a client could name a new one per request. No peer is trusted to set it.
+    "FORWARDED_ALLOW_IPS": "",
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",

@@ -3,6 +3,8 @@ traffic leaves idle (deployments/batch/)."""
 
 from __future__ import annotations
 
+from urllib.parse import parse_qs, urlsplit
+
 from pydantic import Field, field_validator
 
 from raylane.config.base import StrictModel
@@ -96,7 +98,19 @@ class BatchConfig(StrictModel):
             raise ValueError(
                 f"{scheme!r} stores are not supported: give a SQLite path or a postgresql:// URL"
             )
+        if scheme is not None and _has_password(value):
+            # A config travels into serveConfigV2 (a RayService manifest) and Ray's GCS.
+            raise ValueError(
+                "the URL holds a password: give it as PGPASSWORD (or PGPASSFILE) in the environment of "
+                "the batch actor's node, e.g. from a Kubernetes Secret, not in the config"
+            )
         return value
+
+
+def _has_password(url: str) -> bool:
+    """Whether a postgresql:// URL carries a password, in its user part or as a parameter."""
+    parts = urlsplit(url)
+    return parts.password is not None or "password" in {k.lower() for k in parse_qs(parts.query)}
 
 
 def batch_tier(

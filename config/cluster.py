@@ -80,10 +80,25 @@ class GatewayConfig(StrictModel):
         "(POST /v1/load_lora_adapter; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING). With keys, only keys "
         "of a tier with `admin: true` may, whatever this says.",
     )
+    prefix_cache_sharing: Literal["key", "tier", "global"] = Field(
+        "key",
+        description="Who shares a pool's cached prompt blocks (vLLM's cache_salt): `key`, each API key "
+        "only its own (a hit, and `cached_tokens`, would tell another key what was sent: OpenAI shares "
+        "no cache between organisations); `tier`, the keys of one tier (name a tier per team to share "
+        "its system prompts); `global`, everyone (the most hits; only for keys that trust each "
+        "other). Open mode (no keys) shares globally: one user",
+    )
+    lora_adapter_roots: list[str] = Field(
+        default_factory=list,
+        description="Directories an adapter loaded at run time must lie in, on the pool's nodes (its "
+        "path resolved there, symlinks included); empty: run-time loads are refused. The config's "
+        "own `pools[].adapters` are the operator's and not limited.",
+    )
     metrics_require_key: bool = Field(
-        False,
-        description="/metrics asks for an API key, as the API does (with keys configured); false: open "
-        "to any scraper that reaches the port.",
+        True,
+        description="/metrics asks for an API key, as the API does (with keys configured: the pools, "
+        "tiers and traffic it shows are the operator's); false: open to any scraper that reaches the "
+        "port. Prometheus scrapes Ray's own metrics port on each pod, which needs no key.",
     )
     drain_timeout_s: float = Field(
         30.0,
@@ -109,6 +124,18 @@ class GatewayConfig(StrictModel):
         ge=1,
         description="Most stored responses of one API key (open mode: one client address); past it the "
         "key's own oldest go, so one key cannot push out another's.",
+    )
+    responses_max_bytes_per_key: int = Field(
+        64 * 2**20,
+        ge=1,
+        description="Most bytes of stored responses (each with its conversation) one API key keeps; past "
+        "it the key's own oldest go (a record larger than this is not stored).",
+    )
+    responses_max_bytes: int = Field(
+        1024 * 2**20,
+        ge=1,
+        description="Most bytes of stored responses in all; past it the oldest of the key holding the most "
+        "bytes go.",
     )
     responses_ttl_s: float = Field(
         3600.0, gt=0, description="How long a stored response is kept, in seconds."
@@ -204,6 +231,11 @@ class ClusterConfig(StrictModel):
                             f"router.routes[{i}].{field}: {name!r} is not a pool (pools: {pools})"
                         )
         return self
+
+    def with_key_digests(self) -> ClusterConfig:
+        """This config with its inline API keys as their digests: what Ray's GCS may keep of it (the
+        gateway's init arguments, the live-config record); the gateway authenticates with digests."""
+        return self.model_copy(update={"api_keys": self.api_keys.with_digests()})
 
     def pool(self, name: str) -> PoolConfig:
         return next(p for p in self.pools if p.name == name)

@@ -6,6 +6,8 @@ working development setup: three routes (coding, reasoning, chat) to pools of th
 three tiers (premium, standard, free) and no API keys (open mode).
 """
 
+import hashlib
+import re
 from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated
@@ -287,6 +289,16 @@ def default_tiers() -> list[TierConfig]:
     ]
 
 
+KEY_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def key_digest(key: str) -> str:
+    """`sha256:<hex>` of an API key as a config writes it (a digest already: itself)."""
+    if KEY_DIGEST.fullmatch(key):
+        return key
+    return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
 def open_tier() -> TierConfig:
     """Open mode's tier unless `api_keys.default_tier` names one: no rate limits, and requests wait
     for a pool (up to its own `max_waiting`) rather than being turned away, as vLLM's server queues
@@ -315,7 +327,11 @@ class ApiKeysConfig(StrictModel):
     never logged; a request's tier comes only from its key.
     """
 
-    keys: dict[SecretStr, str] = Field(default_factory=dict, description="inline keys: key -> tier name")
+    keys: dict[SecretStr, str] = Field(
+        default_factory=dict,
+        description="inline keys: key -> tier name; a key may be written as its digest, "
+        "`sha256:<64 hex digits>` of the key, so the config holds no key",
+    )
     env: str | None = Field(None, description="environment variable holding keys, same format as `file`")
     file: str | None = Field(None, description="path of a key file, e.g. a mounted Kubernetes Secret")
     default_tier: str | None = Field(
@@ -324,6 +340,11 @@ class ApiKeysConfig(StrictModel):
         "without rate limits (one local user: a developer, a benchmark or eval run), as vLLM's server. "
         "Name a limited tier for a cluster others can reach",
     )
+
+    def with_digests(self) -> "ApiKeysConfig":
+        """These keys as their digests (`key_digest`): what a record of the config may hold."""
+        keys = {SecretStr(key_digest(k.get_secret_value())): tier for k, tier in self.keys.items()}
+        return self.model_copy(update={"keys": keys})
 
     def check_tiers(self, tier_names: list[str]) -> None:
         """Raise ValueError naming the field when a key or the default refers to an unknown tier."""

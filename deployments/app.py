@@ -177,8 +177,9 @@ def build_live_app(
         gateway = gateway.options(
             version=GATEWAY_VERSION, user_config=gateway_user_config(live), _internal=True
         )
-    # The config objects themselves travel (pickled): a JSON dump would mask the API keys.
-    return gateway.bind(config, pools)
+    # The config objects themselves travel (pickled, into Serve's records in the GCS): the API keys
+    # as their digests, which is all the gateway authenticates with.
+    return gateway.bind(config.with_key_digests(), pools)
 
 
 def _coerce(config) -> ClusterConfig:

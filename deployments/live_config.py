@@ -1,7 +1,7 @@
 """The config a running app serves, kept in Ray's GCS so that `raylane apply` can change it in place.
 
-`raylane serve` and `raylane apply` write each config they deploy here, pickled (the API keys must
-survive, as they do in the app's init arguments), under a digest of its dump, and a small JSON
+`raylane serve` and `raylane apply` write each config they deploy here, as JSON with its inline API
+keys as their digests (all the gateway needs), under a digest of its dump, and a small JSON
 state per app: the generation now served, its digest, the route prefix, how many applies ended how,
 and the apply in progress. The gateway's Serve `user_config` names only the generation and digest
 (`gateway_user_config`): Serve shows user configs in its status, so no key may be in one. A change
@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import pickle
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
 from raylane.config import ClusterConfig, PoolConfig
+from raylane.config.router import key_digest
 
 NAMESPACE = "raylane"
 # Pool settings the gateway or Serve apply without touching the replica (its router's admission,
@@ -68,7 +68,8 @@ def config_digest(config: ClusterConfig) -> str:
 
 
 def _secret_digest(config: ClusterConfig) -> str:
-    keys = sorted((k.get_secret_value(), tier) for k, tier in config.api_keys.keys.items())
+    # Keys as digests: a config and its record (which holds digests only) are the same config.
+    keys = sorted((key_digest(k.get_secret_value()), tier) for k, tier in config.api_keys.keys.items())
     return hashlib.sha256(repr(keys).encode()).hexdigest()
 
 
@@ -120,7 +121,7 @@ def load(app: str, config_digest: str) -> ClusterConfig:
     raw = _kv()._internal_kv_get(_config_key(app, config_digest), namespace=NAMESPACE)
     if raw is None:
         raise LookupError(f"app {app}: no config {config_digest} is recorded")
-    return pickle.loads(raw)
+    return ClusterConfig.model_validate(json.loads(raw))
 
 
 def running_config(app: str) -> tuple[LiveState, ClusterConfig] | None:
@@ -129,9 +130,15 @@ def running_config(app: str) -> tuple[LiveState, ClusterConfig] | None:
 
 
 def store(app: str, config: ClusterConfig) -> str:
-    """Keep `config` (pickled) under its digest; returns the digest."""
+    """Keep `config` under its digest, as JSON with its API keys as their digests (the GCS is readable
+    by every Ray job and dashboard user); returns the digest."""
     key = config_digest(config)
-    _kv()._internal_kv_put(_config_key(app, key), pickle.dumps(config), overwrite=True, namespace=NAMESPACE)
+    digested = config.with_key_digests()
+    data = digested.model_dump(mode="json", exclude_unset=True)
+    if digested.api_keys.keys:  # a JSON dump masks SecretStr: the digests are written as they are
+        data["api_keys"]["keys"] = {k.get_secret_value(): t for k, t in digested.api_keys.keys.items()}
+    raw = json.dumps(data).encode()
+    _kv()._internal_kv_put(_config_key(app, key), raw, overwrite=True, namespace=NAMESPACE)
     return key
 
 

@@ -108,13 +108,15 @@ class AsyncLLM:
         resume: Resumption | None = None,
         tenant: str = "",
         lora_request: LoRARequest | None = None,
+        cache_salt: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as tokens arrive; the last one has `finished=True`. Leaving the loop
         early (a client disconnect, a cancelled task) aborts the request and frees its blocks;
         `on_abort` then gets the engine's last output of it (what `abort` returns), which the
         caller would otherwise never see. `resume`: continue after the output another replica had
         produced (`LLMEngine.add_request`). `tenant`: whose request it is (the scheduler shares each
-        priority's slots between tenants). `lora_request`: the adapter to run it with."""
+        priority's slots between tenants). `lora_request`: the adapter to run it with. `cache_salt`:
+        the prefix-cache scope it shares cached blocks within."""
         request_id = request_id or uuid.uuid4().hex
         delta = sampling_params is not None and sampling_params.output_kind == RequestOutputKind.DELTA
         stream = RequestOutputCollector(
@@ -128,7 +130,15 @@ class AsyncLLM:
         self._streams[request_id] = stream
         try:
             await self._call(
-                AddRequest, request_id, prompt, sampling_params, priority, resume, tenant, lora_request
+                AddRequest,
+                request_id,
+                prompt,
+                sampling_params,
+                priority,
+                resume,
+                tenant,
+                lora_request,
+                cache_salt,
             )
         except BaseException:  # the engine's ValueError for a bad prompt or parameter, or a dead core
             self._streams.pop(request_id, None)

@@ -22,10 +22,15 @@ from raylane.engine.request import Request
 NULL_BLOCK = -1  # a block-table entry whose block was released (outside the sliding window)
 
 
-def lora_salt(request: Request) -> bytes | None:
-    """The first block's parent under an adapter: the same tokens under two adapters (or under one and
-    the base model) have different KV, so they never share a block."""
-    return None if request.lora is None else b"lora:%d" % request.lora.lora_int_id
+def block_salt(request: Request) -> bytes | None:
+    """The first block's parent. Under an adapter: the same tokens under two adapters (or under one
+    and the base model) have different KV, so they never share a block. With a cache salt (the
+    tenant's scope, vLLM's `cache_salt`): a block computed for one scope is never a hit for another,
+    so a hit, and `cached_tokens`, tells no tenant what another one sent."""
+    if request.lora is None and not request.cache_salt:
+        return None
+    lora = 0 if request.lora is None else request.lora.lora_int_id
+    return b"lora:%d\x00salt:" % lora + request.cache_salt.encode("utf-8", "surrogatepass")
 
 
 def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
@@ -76,13 +81,15 @@ class BlockManager:
         bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
         while (len(hashes) + 1) * bs <= num_tokens:
             i = len(hashes)
-            parent = hashes[-1] if hashes else lora_salt(request)
+            parent = hashes[-1] if hashes else block_salt(request)
             hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
 
     def get_computed_blocks(self, request: Request) -> list[int]:
         """Leading blocks of the request already in the cache. At least one token is always
-        left to compute, since the model must produce logits for the last one."""
-        if not self.enable_prefix_caching:
+        left to compute, since the model must produce logits for the last one. None for a request
+        whose prompt logprobs are still to be read: a cached position is never forwarded, so its
+        logits would never come (engine/prompt_logprobs.py)."""
+        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
             return []
         self._update_hashes(request, request.num_tokens - 1)
         hits: list[int] = []

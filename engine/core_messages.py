@@ -38,6 +38,7 @@ class AddRequest:
     resume: Resumption | None = None
     tenant: str = ""
     lora_request: LoRARequest | None = None
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -148,6 +148,7 @@ class EngineLoop:
                 resume=command.resume,
                 tenant=command.tenant,
                 lora_request=command.lora_request,
+                cache_salt=command.cache_salt,
             )
         except Exception as e:  # a bad prompt or parameter: the caller's ValueError
             return RequestAdded(command.token, e)

@@ -24,6 +24,9 @@ from raylane.bounded_worker import BoundedWorker, WorkerTimeout
 
 GRAMMAR_TIMEOUT_S = 5.0  # one check or compile, CPU time of one core in the worker
 POOL_MAX_PENDING = 64  # a pool's compile worker: the calls of all its gateways
+POOL_MAX_PENDING_PER_KEY = 4  # of those, one API key's (the request's tenant)
+MAX_FAILED = 256  # grammars remembered as failing (a digest and a short message each)
+MAX_FAILURE_CHARS = 300
 MAX_COMPILED_BYTES = 2 * 1024 * 1024  # serialized compiled grammar the engine loop may deserialize
 
 # What a pool's compile workers import (a gateway's check workers import
@@ -77,28 +80,52 @@ class GrammarCompileService:
         self._worker: BoundedWorker | None = None
         self._cache: OrderedDict[tuple, str] = OrderedDict()
         self._cache_size = cache_size
+        # grammar digest -> (the error's class, its message cut short): a failing grammar sent again
+        # is refused without the worker (whoever sends it), and the cache holds no client text whole.
+        self._failed: OrderedDict[tuple, tuple[type[ValueError], str]] = OrderedDict()
 
-    async def prepare(self, params) -> None:
+    async def prepare(self, params, tenant: str = "") -> None:
         """Set `params.compiled` (a `StructuredOutputParams`); ValueError naming `structured.<kind>`
         when it does not compile, is too large, or takes longer than the limit; WorkerBusy when
-        `POOL_MAX_PENDING` compiles are queued already."""
+        `POOL_MAX_PENDING` compiles are queued already, or `POOL_MAX_PENDING_PER_KEY` of `tenant`'s
+        (the caller's API key). A compile that runs out its time holds one of the key's places
+        for as long again."""
         key = params.key()
+        if (failed := self._failed.get(key)) is not None:
+            self._failed.move_to_end(key)
+            raise failed[0](failed[1])
+        try:
+            self._keep(params, key, await self._compiled(params, key, tenant))
+        except ValueError as e:
+            self._failed[key] = (type(e), str(e)[:MAX_FAILURE_CHARS])
+            if len(self._failed) > MAX_FAILED:
+                self._failed.popitem(last=False)
+            raise
+
+    def _keep(self, params, key: tuple, compiled: str) -> None:
+        self._cache[key] = compiled
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
+        params.compiled = compiled
+
+    async def _compiled(self, params, key: tuple, tenant: str) -> str:
         if (hit := self._cache.get(key)) is None:
             if self._worker is None:
                 info = await self._fetch()
                 if self._worker is None:  # another request may have made it meanwhile
-                    # Keys were bounded by the gateways; here only the total (pool calls carry no key).
                     self._worker = BoundedWorker(
                         _init_compiler,
                         (info,),
                         timeout_s=self.timeout_s,
                         preload=COMPILE_PRELOAD,
                         max_pending=POOL_MAX_PENDING,
-                        max_pending_per_key=POOL_MAX_PENDING,
+                        max_pending_per_key=POOL_MAX_PENDING_PER_KEY,
                     )
             try:
-                hit = await self._worker.run(compile_serialized, params)
+                hit = await self._worker.run(compile_serialized, params, key=tenant)
             except WorkerTimeout:
+                self._worker.hold(tenant, self.timeout_s)
                 raise GrammarTooComplex(
                     f"structured.{params.kind}: too complex: it did not compile within {self.timeout_s:g} s"
                 ) from None
@@ -107,11 +134,7 @@ class GrammarCompileService:
                     f"structured.{params.kind}: too large: it compiles to {len(hit)} bytes, "
                     f"at most {MAX_COMPILED_BYTES}"
                 )
-            self._cache[key] = hit
-            if len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(key)
-        params.compiled = hit
+        return hit
 
     def close(self) -> None:
         if self._worker is not None:

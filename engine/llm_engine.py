@@ -24,6 +24,7 @@ from raylane.engine.lora import LoRARequest, LoRASlots
 from raylane.engine.model_runner import ModelInput
 from raylane.engine.output_processor import OutputProcessor
 from raylane.engine.outputs import RequestOutput
+from raylane.engine.prompt_logprobs import PromptLogprobRows, add_prompt_rows
 from raylane.engine.request import Request, RequestStatus, Resumption
 from raylane.engine.sampler import Sampler
 from raylane.engine.sampling_params import SamplingParams
@@ -31,7 +32,7 @@ from raylane.engine.scheduler import Scheduler, SchedulerOutput
 from raylane.engine.spec_decode import RejectionSampler, SpecDecodeStats, make_proposer
 from raylane.engine.tokenizer import eos_token_ids, load_tokenizer
 from raylane.models.decoder import sliding_window_of
-from raylane.parallel.lora import check_adapter
+from raylane.parallel.lora import AdapterWeights, read_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ class LLMEngine:
             ).start()
         self._ids = itertools.count()
         self._lora_paths: dict[int, str] = {}  # adapter id -> its directory, once validated
+        # adapter id -> its weights as read then: adapters are the operator's (config, admin loads)
+        self._lora_weights: dict[int, AdapterWeights] = {}
 
     # -- requests in ---------------------------------------------------------------------------
 
@@ -124,11 +127,13 @@ class LLMEngine:
         resume: Resumption | None = None,
         tenant: str = "",
         lora_request: LoRARequest | None = None,
+        cache_salt: str = "",
     ) -> str:
         """`resume`: the output each sample already produced on a replica that died; the request
         continues after it (engine/request.py `Resumption`). `tenant`: whose request it is (the
         scheduler shares each priority's slots between tenants). `lora_request`: the adapter to run
-        it with (an engine with `enable_lora`)."""
+        it with (an engine with `enable_lora`). `cache_salt` (vLLM's): the prefix-cache scope; its
+        blocks are shared only with requests of the same salt."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has_request(request_id):
@@ -142,7 +147,7 @@ class LLMEngine:
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         samples = self._fan_out(request_id, token_ids, params, priority, arrival_time, resume)
         for sample in samples:
-            sample.tenant, sample.lora = tenant, lora_request
+            sample.tenant, sample.lora, sample.cache_salt = tenant, lora_request, cache_salt
         self.output_processor.add_request(request_id, prompt, params, samples)
         for sample in samples:
             if not sample.status.finished:  # a resumed sample that had ended is not run again
@@ -154,17 +159,19 @@ class LLMEngine:
         adapters, a missing or unreadable file, a rank or tensor that does not fit the model)."""
         if not self.config.enable_lora:
             raise ValueError("lora_request: this engine serves no adapters (start it with enable_lora)")
-        check_adapter(lora_path, self.hf_config, self.config.max_lora_rank)
+        read_adapter(lora_path, self.hf_config, self.config.max_lora_rank)
 
     def _validate_lora(self, lora: LoRARequest) -> None:
-        """What the runner would fail on when it loads the adapter, found before the request is
-        accepted (a load that failed inside a step would end the engine for everyone)."""
+        """Read and check the adapter before the request is accepted, once per adapter id, and keep
+        its weights: the step that loads a slot copies them from memory and reads no file (a load
+        that failed inside a step, on files changed since, would end the engine for everyone)."""
         if not self.config.enable_lora:
             raise ValueError("lora_request: this engine serves no adapters (start it with enable_lora)")
         known = self._lora_paths.get(lora.lora_int_id)
         if known is None:
-            check_adapter(lora.lora_path, self.hf_config, self.config.max_lora_rank)
+            weights = read_adapter(lora.lora_path, self.hf_config, self.config.max_lora_rank)
             self._lora_paths[lora.lora_int_id] = lora.lora_path
+            self._lora_weights[lora.lora_int_id] = weights
         elif known != lora.lora_path:
             raise ValueError(f"lora_request: lora_int_id {lora.lora_int_id} is already {known!r}")
 
@@ -212,6 +219,8 @@ class LLMEngine:
             )
             if resume is not None:
                 sample.all_token_ids.extend(resume.token_ids[index])
+                # Its prompt logprobs went out, with its first output, from the replica that failed.
+                sample.prompt_logprobs_position = sample.num_prompt_tokens
                 if (reason := resume.finish_reason(index)) is not None:
                     sample.status = RequestStatus.finished_with(reason)
             if params.structured is not None:
@@ -265,13 +274,15 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.requests:
             return []
-        batch, sampling = self._prepare_input(scheduled)
+        batch, sampling, prompt_rows = self._prepare_input(scheduled)
         logits = self._execute(batch)
         for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
             # Drafts count as computed only once verified (below).
             request.num_computed_tokens += num_new - len(request.spec_token_ids)
             self.block_manager.cache_full_blocks(request)
             self.block_manager.free_outside_window(request)
+        for rows in prompt_rows:
+            self.output_processor.add_prompt_logprobs(rows.request, rows.read(logits))
         plain = [(row, r) for row, r in sampling if not r.spec_token_ids]
         if plain:
             rows = [row for row, _ in plain]
@@ -302,15 +313,21 @@ class LLMEngine:
         self.block_manager.cache_full_blocks(request)
         self.block_manager.free_outside_window(request)
 
-    def _prepare_input(self, scheduled: SchedulerOutput) -> tuple[ModelInput, list[tuple[int, Request]]]:
-        """The step's batch, and (first logits row, request) of every request that samples: one row,
-        or 1 + k consecutive rows for a request verifying k drafts."""
+    def _prepare_input(
+        self, scheduled: SchedulerOutput
+    ) -> tuple[ModelInput, list[tuple[int, Request]], list[PromptLogprobRows]]:
+        """The step's batch; (first logits row, request) of every request that samples: one row, or
+        1 + k consecutive rows for a request verifying k drafts; the rows of prompt positions whose
+        logprobs are asked for (engine/prompt_logprobs.py)."""
         batch = ModelInput([], [], [], [], [], [])
         sampling: list[tuple[int, Request]] = []
+        prompt_rows: list[PromptLogprobRows] = []
         for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
             start = request.num_computed_tokens
             end = start + num_new
             drafts = request.spec_token_ids
+            if (rows := add_prompt_rows(batch, request, len(batch.token_ids), start, end)) is not None:
+                prompt_rows.append(rows)
             batch.token_ids.extend(request.all_token_ids[start : end - len(drafts)])
             batch.token_ids.extend(drafts)
             batch.positions.extend(range(start, end))
@@ -324,10 +341,10 @@ class LLMEngine:
                 batch.sample_indices.extend(range(last - len(drafts), last + 1))
         slots = self.scheduler.lora_slots
         if slots is not None:
-            batch.lora_loads = slots.take_loads()
+            batch.lora_loads = [(slot, self._lora_weights[i]) for slot, i in slots.take_loads()]
             if any(r.lora is not None for r in scheduled.requests):
                 batch.lora_slots = [slots.slot_of(r.lora) for r in scheduled.requests]
-        return batch, sampling
+        return batch, sampling, prompt_rows
 
     def _execute(self, batch: ModelInput) -> torch.Tensor:
         if self._dead is not None:

@@ -4,8 +4,9 @@ A request names its adapter with vLLM's `LoRARequest(lora_name, lora_int_id, lor
 engine holds at most `max_loras` adapters at once, each in a slot of every adapted layer. A slot
 is pinned while a running request uses it; when a waiting request needs an adapter that is not
 resident, the scheduler gives it the least recently used unpinned slot, and the step that first
-runs it carries the load (`ModelInput.lora_loads`), so every tensor-parallel rank loads its shard
-before the forward. A request whose adapter finds every slot pinned waits.
+runs it carries the load (`ModelInput.lora_loads`: the weights the engine read and checked when the
+adapter was first asked for), so every tensor-parallel rank loads its shard before the forward. A
+request whose adapter finds every slot pinned waits.
 """
 
 import hashlib
@@ -38,7 +39,7 @@ class LoRASlots:
         self.max_loras = max_loras
         self._slot: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
         self._pins: dict[int, int] = {}  # adapter id -> running requests using it
-        self._pending: list[tuple[int, str]] = []  # (slot, path) to load before the next forward
+        self._pending: list[tuple[int, int]] = []  # (slot, adapter id) to load before the next forward
 
     def slot_of(self, lora: LoRARequest | None) -> int:
         return -1 if lora is None else self._slot[lora.lora_int_id]
@@ -61,7 +62,7 @@ class LoRASlots:
                 evicted = next(i for i in self._slot if not self._pins.get(i))
                 slot = self._slot.pop(evicted)
             self._slot[key] = slot
-            self._pending.append((slot, lora.lora_path))
+            self._pending.append((slot, key))
         self._slot.move_to_end(key)
         self._pins[key] = self._pins.get(key, 0) + 1
 
@@ -69,7 +70,7 @@ class LoRASlots:
         if lora is not None:
             self._pins[lora.lora_int_id] -= 1
 
-    def take_loads(self) -> list[tuple[int, str]]:
+    def take_loads(self) -> list[tuple[int, int]]:
         loads, self._pending = self._pending, []
         return loads
 

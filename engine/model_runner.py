@@ -22,7 +22,7 @@ from raylane.models import load_model
 from raylane.models.attention import build_attention_metadata
 from raylane.models.gguf import checkpoint_dir
 from raylane.models.paged_kernel import resolve_attention
-from raylane.parallel.lora import LoRABatch, attach_lora, load_adapter
+from raylane.parallel.lora import AdapterWeights, LoRABatch, attach_lora, load_adapter
 from raylane.parallel.onednn import packed_bytes
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,9 @@ class ModelInput:
     query_lens: list[int]  # per request: new tokens this step
     sample_indices: list[int]  # flattened token rows whose logits are wanted
     lora_slots: list[int] | None = None  # per request: its adapter's slot, -1 the base model; None: all base
-    lora_loads: list[tuple[int, str]] = field(default_factory=list)  # (slot, adapter path) to load first
+    lora_loads: list[tuple[int, AdapterWeights]] = field(
+        default_factory=list
+    )  # (slot, adapter) to load first
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -296,8 +298,8 @@ class ModelRunner:
         the last layer and returns None.
         """
         if self.lora is not None:
-            for slot, path in batch.lora_loads:
-                load_adapter(self.model, slot, path, self.config.max_lora_rank)
+            for slot, adapter in batch.lora_loads:
+                load_adapter(self.model, slot, adapter)
             self.lora.set(batch.lora_slots or [-1] * len(batch.query_lens), batch.query_lens)
         size = self.graphs.size_for(batch) if self.graphs is not None else None
         if size is not None:

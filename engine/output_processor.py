@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass, field
 
 from raylane.engine.detokenizer import IncrementalDetokenizer
-from raylane.engine.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+from raylane.engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from raylane.engine.prompt_logprobs import PositionLogprobs
 from raylane.engine.request import Request, RequestStatus
 from raylane.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -37,6 +38,10 @@ class ParentRequest:
     params: SamplingParams
     samples: list[RequestState]
     finish_time: float | None = None
+    # SamplingParams.prompt_logprobs: [None] (the first token has none) and one entry per prompt token
+    # read so far; None when not asked for or resumed (its first output went out from another replica).
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False  # a DELTA output carried them: later ones do not
 
     @property
     def finished(self) -> bool:
@@ -56,7 +61,10 @@ class OutputProcessor:
         string window are as they were, and its text counts as sent: only new text comes out."""
         states = [self._new_state(r) for r in samples]
         text_prompt = prompt if isinstance(prompt, str) else None
-        self.parents[request_id] = ParentRequest(request_id, text_prompt, params, states)
+        parent = ParentRequest(request_id, text_prompt, params, states)
+        if params.prompt_logprobs is not None and samples[0].prompt_logprobs_position == 0:  # not resumed
+            parent.prompt_logprobs = [None]
+        self.parents[request_id] = parent
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.parents
@@ -103,6 +111,20 @@ class OutputProcessor:
                 return RequestStatus.FINISHED_STOPPED
         return status
 
+    def add_prompt_logprobs(self, request: Request, read: list[PositionLogprobs]) -> None:
+        """The logprobs of the next prompt tokens of `request` (its user request's first sample)."""
+        entries = self.parents[request.parent_id].prompt_logprobs
+        decoded: dict[int, str] = {}  # within one step's chunk the top-k repeat: decode each id once
+        for position, (logprob, rank, top) in enumerate(read, start=len(entries)):
+            entry = {tid: Logprob(lp, rank=i) for i, (tid, lp) in enumerate(top, start=1)}
+            entry[request.prompt_token_ids[position]] = Logprob(logprob, rank=rank)
+            if self.tokenizer is not None:
+                for tid, lp in entry.items():
+                    if tid not in decoded:
+                        decoded[tid] = self.tokenizer.decode([tid])
+                    lp.decoded_token = decoded[tid]
+            entries.append(entry)
+
     def finish_request(self, request: Request) -> None:
         """`request` ended, whatever the reason: release text held back in case it began a stop string."""
         detok = self._state(request).detokenizer
@@ -136,8 +158,13 @@ class OutputProcessor:
             parent.finish_time = time.monotonic()
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        if not finished and parent.prompt_logprobs is not None and not _all_read(parent):
+            return None  # another sample ran ahead of the first: the first output carries them
         delta = kind == RequestOutputKind.DELTA
         first = parent.samples[0].request
+        prompt_logprobs = _prompt_logprobs(parent)
+        if delta and prompt_logprobs is not None:
+            parent.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -146,6 +173,7 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=max(first.num_cached_tokens, 0),
             metrics=_metrics(first, parent.finish_time),
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -203,6 +231,18 @@ def _completion(state: RequestState, delta: bool) -> CompletionOutput:
         finish_reason=request.status.finish_reason,
         stop_reason=request.stop_reason,
     )
+
+
+def _prompt_logprobs(parent: ParentRequest) -> PromptLogprobs | None:
+    """The prompt logprobs an output carries: all of them once all are read (an aborted request's
+    output before then carries none), in DELTA mode only the first time."""
+    if parent.prompt_logprobs is None or not _all_read(parent) or parent.prompt_logprobs_sent:
+        return None
+    return list(parent.prompt_logprobs)
+
+
+def _all_read(parent: ParentRequest) -> bool:
+    return len(parent.prompt_logprobs) == parent.samples[0].request.num_prompt_tokens
 
 
 def _metrics(first: Request, finish_time: float | None) -> dict:

@@ -55,6 +55,7 @@ class Request:
     # Whose request it is (the gateway's key id; "" for none): within a priority, the scheduler
     # serves first the tenant that has the fewest requests running.
     tenant: str = ""
+    cache_salt: str = ""  # prefix-cache scope: blocks are shared only among requests of one salt
     lora: LoRARequest | None = None  # the adapter it runs with (engine/lora.py); None: the base model
     arrival_time: float = field(default_factory=time.monotonic)
     max_total_tokens: int = 0  # prompt + output may not exceed this (the model's context)
@@ -78,6 +79,9 @@ class Request:
     # draft model, the distributions they were drawn from ([k, vocab]; None: one-hot/greedy).
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: Any = None
+    # Prompt logprobs (engine/prompt_logprobs.py): the first prompt position whose logits are still to
+    # be read (position i's logits give the logprob of prompt token i + 1).
+    prompt_logprobs_position: int = 0
 
     def __post_init__(self) -> None:
         self.parent_id = self.parent_id or self.request_id
@@ -97,6 +101,17 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt positions' logits are still to be read. Only the first sample of a user request
+        computes them (its samples share the prompt); until it has, its prompt takes no prefix-cache
+        hits, since a cached position is never forwarded."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and self.index == 0
+            and self.prompt_logprobs_position < self.num_prompt_tokens - 1
+        )
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -29,6 +29,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-k logprobs per generated token (0: only the sampled token's)
+    # Per prompt token after the first: its logprob given the tokens before it, and the top-k (0: only
+    # the prompt token's). None: not computed. A request with it is forwarded from its first token (no
+    # prefix-cache hits for its prompt), as in vLLM.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Grammar constraint: a `raylane.engine.structured_params.StructuredOutputParams` or a dict of its
     # fields.
@@ -70,6 +74,7 @@ class SamplingParams:
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
             ("repetition_penalty", self.repetition_penalty > 0.0, "must be > 0"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
+            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, "must be >= 0"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             (
                 "stop_token_ids",

@@ -183,16 +183,27 @@ class Scheduler:
         self.waiting.push(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        # Requests whose adapter finds every slot pinned by running requests wait for one, set aside
+        # for this step: the ones behind them that need no new slot go first (one tenant's adapter
+        # must not hold up everyone's base-model requests), as vLLM's scheduler skips them.
+        no_slot: list[Request] = []
+        budget = self._admit(out, budget, no_slot)
+        for request in no_slot:
+            self.waiting.push(request)
+        return budget
+
+    def _admit(self, out: SchedulerOutput, budget: int, no_slot: list[Request]) -> int:
         while self.waiting and budget > 0:
             request = self.waiting.peek()
+            if self.lora_slots is not None and not self.lora_slots.can_pin(request.lora):
+                no_slot.append(self.waiting.pop())
+                continue
             if len(self.running) >= self.max_num_seqs:
                 freed = self._preempt_for(request, out)
                 if freed is None:
                     break
                 budget += freed
                 continue  # the queue's order may have changed with the victim's tenant: look again
-            if self.lora_slots is not None and not self.lora_slots.can_pin(request.lora):
-                break  # every adapter slot is in use by running requests: it waits for one
             computed = self.block_manager.get_computed_blocks(request)
             num_cached = len(computed) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_cached, budget)

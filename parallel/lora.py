@@ -78,9 +78,46 @@ def read_adapter_config(path: str | Path, max_rank: int) -> AdapterConfig:
     return AdapterConfig(rank, scaling, frozenset(t.rsplit(".", 1)[-1] for t in targets))
 
 
+# No trained LoRA weight comes near this; such values overflow half precision on ordinary
+# activations, and one adapter's overflow must not reach a step's other rows.
+MAX_WEIGHT_ABS = 1e3
+HEADER_BYTES = 1 << 20  # allowance for the safetensors header beside the tensors
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterWeights:
+    """An adapter read once, checked, and held in memory (CPU): what a slot is loaded from. The step
+    that loads a slot reads no file, so an adapter's files changing or vanishing under a running
+    pool cannot fail a step (and with it every request in the batch)."""
+
+    config: AdapterConfig
+    tensors: dict[str, torch.Tensor]
+
+
+def read_adapter(path: str | Path, hf_config, max_rank: int) -> AdapterWeights:
+    """The adapter at `path`, checked against the model (`check_adapter`'s names and shapes, a size
+    no larger than its tensors at `max_rank` allow) and every weight finite and within
+    `MAX_WEIGHT_ABS`; LoRAError naming the problem."""
+    from safetensors import safe_open
+
+    config = check_adapter(path, hf_config, max_rank)
+    file = Path(path) / "adapter_model.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        # Copies: safetensors maps the file, and a tensor still backed by it would read whatever the
+        # file holds later (a bus error in a step, once it was truncated).
+        tensors = {key: f.get_tensor(key).to(torch.float32, copy=True) for key in f.keys()}  # noqa: SIM118
+    for key, weight in tensors.items():
+        if not torch.isfinite(weight).all():
+            raise LoRAError(f"lora_request: {path}: {key!r} holds NaN or infinite weights")
+        if weight.numel() and weight.abs().max() > MAX_WEIGHT_ABS:
+            raise LoRAError(f"lora_request: {path}: {key!r} holds weights beyond {MAX_WEIGHT_ABS:g} in size")
+    return AdapterWeights(config, tensors)
+
+
 def check_adapter(path: str | Path, hf_config, max_rank: int) -> AdapterConfig:
     """`read_adapter_config`, and every tensor's name and shape checked against the model (the
-    safetensors header only): what loading it into a slot would fail on, found up front."""
+    safetensors header only) and the file's size against what those tensors need: what loading it
+    into a slot would fail on, found before any weight is read."""
     from safetensors import safe_open
 
     config = read_adapter_config(path, max_rank)
@@ -99,7 +136,11 @@ def check_adapter(path: str | Path, hf_config, max_rank: int) -> AdapterConfig:
         "up_proj": (hidden, inter),
         "down_proj": (inter, hidden),
     }
-    with safe_open(str(Path(path) / "adapter_model.safetensors"), framework="pt") as tensors:
+    file = Path(path) / "adapter_model.safetensors"
+    largest = HEADER_BYTES + 4 * layers * max_rank * sum(n_in + n_out for n_in, n_out in features.values())
+    if file.stat().st_size > largest:
+        raise LoRAError(f"lora_request: {file} is larger than any adapter of this model at rank {max_rank}")
+    with safe_open(str(file), framework="pt") as tensors:
         for key in tensors.keys():  # noqa: SIM118 - safe_open has no __iter__
             match = _TENSOR.search(key)
             if match is None or int(match[1]) >= layers or match[3] not in TARGETS:
@@ -114,32 +155,26 @@ def check_adapter(path: str | Path, hf_config, max_rank: int) -> AdapterConfig:
 
 
 class LoRABatch:
-    """This step's rows and their adapter slots, as a mask every adapted layer shares:
-    `mask[row, slot * max_rank + k]` is 1 where the row runs with `slot`; None when no row has an
-    adapter (the layers then add nothing)."""
+    """This step's rows grouped by adapter slot: `segments` holds (slot, row indices) for each slot
+    some row runs with; empty when no row has an adapter (the layers then add nothing). Rows of the
+    base model are in no segment."""
 
     def __init__(self, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device):
         self.max_loras, self.max_rank = max_loras, max_rank
-        self._column_slot = torch.arange(max_loras, device=device).repeat_interleave(max_rank)
-        self._dtype, self._device = dtype, device
-        self.mask: torch.Tensor | None = None
-        self._repeated: dict[int, torch.Tensor] = {}
+        self._device = device
+        self.segments: list[tuple[int, torch.Tensor]] = []
 
     def set(self, slots: list[int], query_lens: list[int]) -> None:
         """From each request's slot (-1: the base model) and its number of tokens in the step."""
-        self._repeated.clear()
-        if all(slot < 0 for slot in slots):
-            self.mask = None
-            return
-        per_request = torch.tensor(slots, device=self._device)
-        rows = per_request.repeat_interleave(torch.tensor(query_lens, device=self._device))
-        self.mask = (rows[:, None] == self._column_slot[None, :]).to(self._dtype)
-
-    def mask_for(self, subs: int) -> torch.Tensor:
-        """The mask once per sub-projection side by side ([rows, subs * slots * max_rank])."""
-        if subs not in self._repeated:
-            self._repeated[subs] = self.mask.repeat(1, subs)
-        return self._repeated[subs]
+        rows: dict[int, list[int]] = {}
+        start = 0
+        for slot, n in zip(slots, query_lens, strict=True):
+            if slot >= 0:
+                rows.setdefault(slot, []).extend(range(start, start + n))
+            start += n
+        self.segments = [
+            (slot, torch.tensor(index, dtype=torch.long, device=self._device)) for slot, index in rows.items()
+        ]
 
 
 class LoRALayer(nn.Module):
@@ -148,12 +183,14 @@ class LoRALayer(nn.Module):
 
     With W = slots * max_rank: A of every sub-projection and slot is one [subs * W, in] matrix (sub i's
     slot s in rows i * W + s * max_rank onwards), B one [out, subs * W] matrix, block-diagonal by
-    sub-projection. A step multiplies its rows by all of A, zeroes the columns of slots other than
-    each row's own (the batch's mask) and adds the product with B: three kernels a layer whatever
-    the number of adapters and however their requests interleave, with no Python loop over either.
-    Every slot is computed for every row, `max_loras` times the FLOPs of the row's own adapter (and
-    B's zero blocks), which stays small beside the base weight's at adapter ranks. On CPU both
-    matrices are also kept packed for oneDNN (`repack` after a load), as the base weights are."""
+    sub-projection. A load copies each slot's part out as its own pair (`slot_weights`: A_s
+    [subs * max_rank, in], B_s [out, subs * max_rank]), and a step adds `(x_s @ A_s.T) @ B_s.T` to the
+    rows x_s of each slot in use, gathered and added back by index: two kernels per adapter in the
+    step, and a row of one slot never meets another slot's weights. (One dense product over every
+    slot with a mask would be fewer kernels, but 0 x NaN is NaN: one adapter holding a non-finite
+    weight, or overflowing on its own rows, would turn every row of the step into NaN, other
+    tenants' base-model rows included.) On CPU each pair is also kept packed for oneDNN, as the
+    base weights are."""
 
     def __init__(self, batch: LoRABatch, input_size: int, sub_sizes: list[int]):
         super().__init__()
@@ -161,21 +198,34 @@ class LoRALayer(nn.Module):
         width = len(sub_sizes) * batch.max_loras * batch.max_rank
         self.register_buffer("lora_a", torch.zeros(width, input_size), persistent=False)
         self.register_buffer("lora_b", torch.zeros(sum(sub_sizes), width), persistent=False)
-        self.packed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.slot_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.packed = False  # slot_weights are oneDNN-packed (CPU)
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """y += each row's adapter update (nothing for rows of the base model)."""
-        if self.batch.mask is None:
-            return
-        mask = self.batch.mask_for(len(self.sub_sizes))
-        if self.packed is not None:
-            y.add_(onednn.linear(onednn.linear(x, self.packed[0]) * mask, self.packed[1]))
-        else:
-            y.addmm_((x @ self.lora_a.T) * mask, self.lora_b.T)
+        for slot, index in self.batch.segments:
+            weights = self.slot_weights.get(slot)
+            if weights is None:  # the adapter adapts other modules only
+                continue
+            a, b = weights
+            rows = x.index_select(0, index)
+            update = onednn.linear(onednn.linear(rows, a), b) if self.packed else (rows @ a.T) @ b.T
+            y.index_add_(0, index, update)
 
     def repack(self) -> None:
-        if self.lora_a.device.type == "cpu" and onednn.available(self.lora_a.dtype):
-            self.packed = (onednn.pack(self.lora_a), onednn.pack(self.lora_b))
+        """Each loaded slot's pair from the big matrices (after a load or a clear)."""
+        self.slot_weights.clear()
+        self.packed = packs = self.lora_a.device.type == "cpu" and onednn.available(self.lora_a.dtype)
+        for slot in range(self.batch.max_loras):
+            columns = torch.cat(
+                [torch.arange(self.columns(sub, slot).start, self.columns(sub, slot).stop)
+                 for sub in range(len(self.sub_sizes))]
+            )  # fmt: skip
+            a = self.lora_a.index_select(0, columns.to(self.lora_a.device))
+            if not a.any():
+                continue
+            b = self.lora_b.index_select(1, columns.to(self.lora_b.device))
+            self.slot_weights[slot] = (onednn.pack(a), onednn.pack(b)) if packs else (a, b)
 
     def columns(self, sub: int, slot: int) -> slice:
         r = self.batch.max_rank
@@ -217,28 +267,24 @@ def attach_lora(
     return batch
 
 
-def load_adapter(model: nn.Module, slot: int, path: str | Path, max_rank: int) -> None:
-    """Write the adapter at `path` into `slot` of every layer it adapts (this rank's shard of it);
-    the slot's other layers are cleared."""
-    from safetensors import safe_open
-
-    config = read_adapter_config(path, max_rank)
+def load_adapter(model: nn.Module, slot: int, adapter: AdapterWeights) -> None:
+    """Write `adapter` into `slot` of every layer it adapts (this rank's shard of it); the slot's
+    other layers are cleared."""
     layers = model.model.layers
     adapted = [m for m in model.modules() if isinstance(m, LoRALayer)]
     for module in adapted:
         module.clear(slot)
-    with safe_open(str(Path(path) / "adapter_model.safetensors"), framework="pt") as tensors:
-        for key in tensors.keys():  # noqa: SIM118 - safe_open has no __iter__
-            match = _TENSOR.search(key)  # `check_adapter` accepted the names and shapes
-            index, block, proj, which = int(match[1]), match[2], match[3], match[4]
-            module_name, sub = TARGETS[proj]
-            module = getattr(getattr(layers[index], block), module_name)
-            _copy_shard(module, slot, sub, which, tensors.get_tensor(key), config, path)
+    for key, weight in adapter.tensors.items():
+        match = _TENSOR.search(key)  # `check_adapter` accepted the names and shapes
+        index, block, proj, which = int(match[1]), match[2], match[3], match[4]
+        module_name, sub = TARGETS[proj]
+        module = getattr(getattr(layers[index], block), module_name)
+        _copy_shard(module, slot, sub, which, weight, adapter.config, key)
     for module in adapted:
         module.repack()
 
 
-def _copy_shard(module, slot: int, sub: int, which: str, weight: torch.Tensor, config: AdapterConfig, path):
+def _copy_shard(module, slot: int, sub: int, which: str, weight: torch.Tensor, config: AdapterConfig, name):
     from raylane.parallel.layers import QKVParallelLinear, RowParallelLinear
 
     lora: LoRALayer = module.lora
@@ -259,5 +305,5 @@ def _copy_shard(module, slot: int, sub: int, which: str, weight: torch.Tensor, c
         expected = (size, rank)
         target = lora.lora_b[lora.rows(sub), columns][:, :rank]
     if tuple(weight.shape) != expected:
-        raise LoRAError(f"lora_request: {path}: lora_{which} of shape {tuple(weight.shape)} does not fit")
+        raise LoRAError(f"lora_request: {name} of shape {tuple(weight.shape)} does not fit")
     target.copy_(weight)

@@ -122,6 +122,23 @@ class BoundedWorker:
         future.add_done_callback(done)
         return await asyncio.wrap_future(future)
 
+    def hold(self, key: str, seconds: float) -> None:
+        """Charge API key `key` one place of its share for `seconds` more (from an event loop): a call
+        of its that ran out its time limit took the worker that long from every other key, and the
+        key's next ones wait out as much before they may take its place again."""
+        with self._lock:
+            self.pending[key] = self.pending.get(key, 0) + 1
+
+        def release() -> None:
+            with self._lock:
+                n = self.pending[key] - 1
+                if n:
+                    self.pending[key] = n
+                else:
+                    del self.pending[key]
+
+        asyncio.get_running_loop().call_later(seconds, release)
+
     def _call(self, fn, args: tuple, timeout_s: float) -> Any:
         if self._process is None or not self._process.is_alive():
             self._start()

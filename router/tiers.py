@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from raylane.config import ApiKeysConfig, TierConfig, open_tier
+from raylane.config.router import key_digest
 from raylane.router.errors import AuthenticationError
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class ApiKeyAuthenticator:
 
     def _load_all(self) -> dict[bytes, str]:
         names = list(self._tiers)
-        keys = {_digest(k.get_secret_value()): tier for k, tier in self._config.keys.items()}
+        keys = {_config_digest(k.get_secret_value()): tier for k, tier in self._config.keys.items()}
         if self._config.env:
             if self._config.env not in self._environ:
                 raise ValueError(f"api_keys.env: environment variable {self._config.env} is not set")
@@ -165,3 +166,9 @@ def _split_entry(line: str) -> tuple[str, str]:
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def _config_digest(key: str) -> bytes:
+    """A key the config names, written as itself or as its `sha256:` digest (a presented key is
+    always hashed: sending a digest is not sending the key)."""
+    return bytes.fromhex(key_digest(key).removeprefix("sha256:"))

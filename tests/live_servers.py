@@ -60,7 +60,11 @@ def make_cluster_config(demo_models: dict, port: int):
         {
             "http": {"host": "127.0.0.1", "port": port},
             # open mode: anyone may load LoRA adapters at run time (test_lora_api.py)
-            "gateway": {"num_cpus": 0.1, "allow_runtime_lora_updating": True},
+            "gateway": {
+                "num_cpus": 0.1,
+                "allow_runtime_lora_updating": True,
+                "lora_adapter_roots": [tempfile.gettempdir()],  # the tests' adapters, not /var/tmp
+            },
             # a line's call lost with a killed gateway replica is given up well within the tests' waits
             "batch": {
                 "store": f"{batch_dir}/batch.sqlite3",

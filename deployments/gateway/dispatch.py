@@ -77,6 +77,13 @@ class Dispatcher:
         self.config, self.router, self.pools, self.health, self.drain = config, router, pools, health, drain
         self.lora = lora
 
+    def cache_salt(self, principal: Principal) -> str:
+        """The prefix-cache scope of the caller's requests (`gateway.prefix_cache_sharing`)."""
+        sharing = self.config.gateway.prefix_cache_sharing
+        if sharing == "global" or self.router.open_mode:
+            return ""
+        return f"tier:{principal.tier.name}" if sharing == "tier" else f"key:{principal.key_id}"
+
     async def dispatch(
         self,
         principal: Principal,
@@ -122,7 +129,13 @@ class Dispatcher:
         plan = self.router.plan(principal, resolution, charge=charge, sequences=sequences)
         suspects: list[tuple[Slot, PoolFailure]] = []  # failures not yet counted against their pool
         adapter = None if resolution.adapter is None else self.lora.ref(resolution.adapter, resolution.pools)
-        request = replace(request, priority=plan.priority, tenant=principal.key_id, adapter=adapter)
+        request = replace(
+            request,
+            priority=plan.priority,
+            tenant=principal.key_id,
+            cache_salt=self.cache_salt(principal),
+            adapter=adapter,
+        )
         resumer = Resumer(self.config, self.pools, self.health, request, list(resolution.pools))
         try:
             return await self._walk(plan, principal, streaming, request, suspects, resumer)

@@ -42,6 +42,7 @@ from raylane.deployments.gateway.drain import RETRY_AFTER_S, DrainWatcher
 from raylane.deployments.gateway.embeddings import EMBEDDINGS_PRELOAD, create_embeddings
 from raylane.deployments.gateway.lora_adapters import LoRAAdapters
 from raylane.deployments.gateway.openapi import publish, route_docs
+from raylane.deployments.gateway.pool_call import admitted_pool_call
 from raylane.deployments.gateway.pool_health import PoolHealth, pool_deployment_name, serve_liveness
 from raylane.deployments.gateway.request_body import (
     off_the_loop_if_large,
@@ -338,17 +339,30 @@ class Gateway:
         principal = self.authenticate(request)
         # The pool's template and tokenizer work grows with the text: its tokens are charged first.
         body = await self.read_charged(request, principal)
+        charge = request.state.rate_charge
         data = await off_the_loop_if_large(body, lambda: parse_json_object(body))
         req = validate_body(data, tokenize_request_model(data))
         messages = [m.model_dump(exclude_none=True) for m in getattr(req, "messages", [])]
-        return await self.call_pool(req.model, messages, lambda pool: pool.tokenize.remote(req))
+        call = lambda pool: pool.tokenize.remote(req)  # noqa: E731
+        response = await admitted_pool_call(
+            self.router, self.pools, principal, charge, req.model, messages, call
+        )
+        charge.settle(json.loads(response.body)["count"])
+        return response
 
     @app.post("/detokenize", **route_docs(DetokenizeResponse, DetokenizeRequest))
     async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize, charged as many tokens as it decodes and admitted like generation."""
         principal = self.authenticate(request)
-        self.router.check_rate(principal)
-        req = await parse_body(request, DetokenizeRequest, self.config.gateway.max_request_body_bytes)
-        return await self.call_pool(req.model, [], lambda pool: pool.detokenize.remote(req))
+        body = await self.read_charged(request, principal)
+        charge = request.state.rate_charge
+        data = await off_the_loop_if_large(body, lambda: parse_json_object(body))
+        req = validate_body(data, DetokenizeRequest)
+        self.router.charge_more(principal, charge, len(req.tokens))  # 429 when the key cannot cover them
+        call = lambda pool: pool.detokenize.remote(req)  # noqa: E731
+        response = await admitted_pool_call(self.router, self.pools, principal, charge, req.model, [], call)
+        charge.settle(len(req.tokens))
+        return response
 
     @app.post("/v1/responses", **route_docs(ResponseObject, ResponsesRequest, ResponseStreamEvent))
     async def create_response(self, request: Request) -> Response:
@@ -454,9 +468,17 @@ class Gateway:
         so a bad adapter is this call's 400, never a failed request later."""
         req = await self.admin_body(request, LoadLoRAAdapterRequest)
         pool, name = self.lora.target(req.pool, req.lora_name)
-        await self.call_pool(pool, [], lambda handle: handle.check_adapter.remote(req.lora_path))
-        await self.lora.load(pool, name, req.lora_path, req.load_inplace)
-        logger.info("LoRA adapter %s loaded on pool %s from %s", name, pool, req.lora_path)
+        roots = self.config.gateway.lora_adapter_roots
+        if not roots:
+            raise invalid(
+                "lora_path", "No directory is open to run-time loads: set gateway.lora_adapter_roots."
+            )
+        checked = await self.call_pool(
+            pool, [], lambda handle: handle.check_adapter.remote(req.lora_path, roots)
+        )
+        path = json.loads(checked.body)["path"]  # resolved where the files are
+        await self.lora.load(pool, name, path, req.load_inplace)
+        logger.info("LoRA adapter %s loaded on pool %s from %s", name, pool, path)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", **route_docs(None, UnloadLoRAAdapterRequest))
@@ -652,8 +674,8 @@ class Gateway:
             ) from None
 
     async def call_pool(self, model: str, messages: list[dict], call) -> Response:
-        """A request that generates nothing (tokenize): one call to the pool `model` resolves to,
-        whose JSON answer is the response; a client mistake the pool found is its 4xx."""
+        """An admin's call (an adapter's check) to the pool `model` resolves to, whose JSON answer is
+        the response; a client mistake the pool found is its 4xx."""
         resolution = await router_timed(self.router.resolve_async(model, messages))
         pool = resolution.pools[0]
         try:
@@ -677,6 +699,8 @@ class Gateway:
                 gateway.responses_max_stored,
                 gateway.responses_ttl_s,
                 gateway.responses_max_stored_per_key,
+                gateway.responses_max_bytes,
+                gateway.responses_max_bytes_per_key,
             )
             self._stored_responses = StoredResponses(store)
         return self._stored_responses

@@ -106,11 +106,15 @@ def _content_text(content: Any) -> str:
     return ""
 
 
-def block_hashes(text: str, block_chars: int, max_blocks: int | None = None) -> list[bytes]:
+def block_hashes(
+    text: str, block_chars: int, max_blocks: int | None = None, salt: bytes = b""
+) -> list[bytes]:
     """Chain hashes of the text's full blocks (the first `max_blocks` of them), as the engine hashes
-    token blocks: each block's hash covers every block before it, so equal hashes mean equal prefixes."""
+    token blocks: each block's hash covers every block before it, so equal hashes mean equal prefixes.
+    `salt`, the request's prefix-cache scope, seeds the chain as in the engine: a prompt is routed
+    after the replicas that cached it for its own scope only."""
     hashes: list[bytes] = []
-    parent = b""
+    parent = hashlib.blake2b(salt, digest_size=16).digest() if salt else b""
     if max_blocks is not None:
         text = text[: max_blocks * block_chars]  # a character is at least one byte: enough for them all
     data = text.encode("utf-8", "surrogatepass")
@@ -265,7 +269,9 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         if pending_request is None or not pending_request.args:
             return []
         blocks, chars = self.max_blocks_per_request, self.block_chars
-        return block_hashes(request_text(pending_request.args, blocks * chars), chars, blocks)
+        salt = next((a.cache_salt for a in pending_request.args if isinstance(a, PoolRequest)), "")
+        text = request_text(pending_request.args, blocks * chars)
+        return block_hashes(text, chars, blocks, salt.encode("utf-8", "surrogatepass"))
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         """The replica now computes (and caches) this prompt: later requests sharing it should follow."""

@@ -40,9 +40,13 @@ class StoredResponses:
         self.store = store
 
     async def record(self, response_id: str, principal: Principal, param: str = "response_id") -> dict:
+        """The record, for its owner only: a key's for that key, open mode's (no owner) for open mode
+        only. One made in open mode and met once keys are on is dropped: it belongs to nobody now."""
         text = await self.store.get.remote(response_id)
         record = json.loads(text) if text is not None else None
-        if record is None or record["owner"] not in (None, owner(principal)):
+        if record is not None and record["owner"] is None and owner(principal) is not None:
+            await self.store.delete.remote(response_id)
+        if record is None or record["owner"] != owner(principal):
             raise not_found(response_id, param)
         return record
 
@@ -84,9 +88,11 @@ class StoredResponses:
     async def _save(self, response: dict, conversation: list[dict], principal: Principal) -> None:
         record = {"owner": owner(principal), "response": response, "conversation": conversation}
         try:
-            await self.store.put.remote(
+            kept = await self.store.put.remote(
                 response["id"], json.dumps(record, ensure_ascii=False), principal.key_id
             )
+            if not kept:
+                logger.warning("response %s not stored: larger than a key's byte budget", response["id"])
         except Exception:  # the answer is out or about to be: a store that failed loses only a follow-up
             logger.exception("could not store response %s", response["id"])
 

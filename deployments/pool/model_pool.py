@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from operator import methodcaller
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from raylane.config import EngineConfig, PoolConfig
@@ -110,7 +112,15 @@ class ModelPool:
         stream that a failed replica began (deployments/gateway/resumption.py)."""
         r = request
         items = self.chat_serving.chat(
-            r.body, r.params, r.tools, r.request_id, r.priority, r.resume, r.tenant, self._lora(r)
+            r.body,
+            r.params,
+            r.tools,
+            r.request_id,
+            r.priority,
+            r.resume,
+            r.tenant,
+            self._lora(r),
+            r.cache_salt,
         )
         async for item in self._forward(items):
             yield item
@@ -118,7 +128,7 @@ class ModelPool:
     async def completions(self, request: PoolRequest) -> AsyncIterator[PoolItem]:
         r = request
         items = self.completion_serving.completion(
-            r.body, r.params, r.request_id, r.priority, r.resume, r.tenant, self._lora(r)
+            r.body, r.params, r.request_id, r.priority, r.resume, r.tenant, self._lora(r), r.cache_salt
         )
         async for item in self._forward(items):
             yield item
@@ -128,7 +138,16 @@ class ModelPool:
         its events; `request.echo` holds the request's fields the response repeats."""
         r = request
         items = self.responses_serving.create(
-            r.body, r.params, r.tools, r.request_id, r.echo, r.priority, r.resume, r.tenant, self._lora(r)
+            r.body,
+            r.params,
+            r.tools,
+            r.request_id,
+            r.echo,
+            r.priority,
+            r.resume,
+            r.tenant,
+            self._lora(r),
+            r.cache_salt,
         )
         async for item in self._forward(items):
             yield item
@@ -147,15 +166,26 @@ class ModelPool:
             del self.adapter_names[next(iter(self.adapter_names))]
         return lora
 
-    async def check_adapter(self, lora_path: str) -> None:
+    async def check_adapter(self, lora_path: str, roots: list[str]) -> str:
         """What running the adapter at `lora_path` would fail on (`POST /v1/load_lora_adapter` asks
-        before it serves one): a 400 naming `lora_path`."""
+        before it serves one): a 400 naming `lora_path`. Its path resolved here, where the files are
+        (symlinks included), must lie in one of `roots`; the answer is that path as JSON, which the
+        gateway records, so a link changed later redirects nothing."""
         from raylane.deployments.protocol.errors import invalid
 
+        resolved = await asyncio.to_thread(lambda: Path(lora_path).resolve())
+        allowed = await asyncio.to_thread(lambda: [Path(root).resolve() for root in roots])
+        if not any(resolved.is_relative_to(root) for root in allowed):
+            raise invalid(
+                "lora_path",
+                f"{lora_path} resolves to {resolved}, outside the directories adapters may be loaded "
+                f"from (gateway.lora_adapter_roots: {roots}).",
+            )
         try:
-            await self.llm.run_in_engine(methodcaller("check_lora", lora_path))
+            await self.llm.run_in_engine(methodcaller("check_lora", str(resolved)))
         except ValueError as e:
             raise invalid("lora_path", str(e).removeprefix("lora_request: ")) from None
+        return json.dumps({"path": str(resolved)})
 
     async def tokenize(self, request: TokenizeRequest) -> str:
         """vLLM's /tokenize with this pool's tokenizer and chat template: the response's JSON; a
@@ -165,7 +195,11 @@ class ModelPool:
         return await tokenize_off_loop(lambda: self.tokenization.tokenize(request), request)
 
     async def detokenize(self, request: DetokenizeRequest) -> str:
-        return self.tokenization.detokenize(request)
+        """vLLM's /detokenize: off the replica's event loop when long (a million ids took about a
+        second of it), at most the pool's context length."""
+        from raylane.deployments.pool.tokenize_offload import tokenize_off_loop
+
+        return await tokenize_off_loop(lambda: self.tokenization.detokenize(request), request)
 
     async def _forward(self, items: AsyncIterator[PoolItem]) -> AsyncIterator[PoolItem]:
         self.reporter.start()

@@ -62,13 +62,14 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
 
-    async def _compile(self, params: SamplingParams, param: str | None) -> None:
+    async def _compile(self, params: SamplingParams, param: str | None, tenant: str = "") -> None:
         """Compile the request's grammar in the bounded worker (raylane.engine.grammar_compiler), so the
-        engine loop only deserializes it; a grammar that is too complex is the client's 400."""
+        engine loop only deserializes it, within `tenant`'s share of it; a grammar that is too
+        complex is the client's 400."""
         if self.grammar is None or params.structured is None:
             return
         try:
-            await self.grammar.prepare(params.structured)
+            await self.grammar.prepare(params.structured, tenant)
         except WorkerBusy as e:
             raise OpenAIError(
                 f"This model's replica cannot compile the grammar now: {e}. Retry shortly.",
@@ -104,6 +105,7 @@ class OpenAIServing:
         resume: Resumption | None = None,
         tenant: str = "",
         lora_request: LoRARequest | None = None,
+        cache_salt: str = "",
     ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
         """Add the request and wait for its first output, so that a rejected request becomes an
         error before anything is sent. `resume`: the output a failed replica had sent already."""
@@ -115,6 +117,7 @@ class OpenAIServing:
             resume=resume,
             tenant=tenant,
             lora_request=lora_request,
+            cache_salt=cache_salt,
         )
         try:
             first = await gen.__anext__()

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from raylane.deployments.pool.chat_prompt import chat_prompt_ids
+from raylane.deployments.pool.logprobs import chat_logprobs, vllm_prompt_logprobs
 from raylane.deployments.pool.reasoning_parser import ReasoningParser, reasoning_tokens, split_reasoning
 from raylane.deployments.pool.serving import (
     OpenAIServing,
@@ -19,7 +20,6 @@ from raylane.deployments.pool.serving import (
     last,
     served_model,
     sse,
-    token_text,
     usage,
 )
 from raylane.deployments.pool.tokenize_offload import tokenize_off_loop
@@ -32,13 +32,10 @@ from raylane.deployments.protocol.openai_schemas import (
     ChatCompletionRequest,
     ChatDelta,
     ChatMessageOut,
-    ChoiceLogprobs,
     CompletionTokensDetails,
     FunctionCallOut,
-    TokenLogprob,
     ToolCallDelta,
     ToolCallOut,
-    TopLogprob,
 )
 from raylane.deployments.protocol.sampling import ToolPlan, grammar_param
 from raylane.deployments.protocol.tool_calls import ContentDelta, ToolCallStreamParser, parse_tool_calls
@@ -63,6 +60,7 @@ class OpenAIServingChat(OpenAIServing):
         resume: ResumeState | None = None,
         tenant: str = "",
         lora_request: LoRARequest | None = None,
+        cache_salt: str = "",
     ) -> AsyncIterator[PoolItem]:
         """`resume`: continue a stream that a failed replica began (deployments/protocol/wire.py)."""
         try:
@@ -72,10 +70,18 @@ class OpenAIServingChat(OpenAIServing):
             self.check_length(len(prompt_ids), params.max_tokens, "messages", output)
             kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
             engine_params = params.clone(output_kind=kind)
-            await self._compile(engine_params, grammar_param(req))
+            await self._compile(engine_params, grammar_param(req), tenant)
             resumed = engine_resumption(resume, params.n)
             first, gen = await self._start(
-                prompt_ids, engine_params, request_id, "messages", priority, resumed, tenant, lora_request
+                prompt_ids,
+                engine_params,
+                request_id,
+                "messages",
+                priority,
+                resumed,
+                tenant,
+                lora_request,
+                cache_salt,
             )
         except OpenAIError as e:
             yield e
@@ -87,7 +93,10 @@ class OpenAIServingChat(OpenAIServing):
             try:
                 if not req.stream:
                     final = await last(first, gen)
-                    body = self._chat_response(final, params, plan, response_id, created, model).to_json()
+                    # Reasoning is split and its tokens counted (decoding the output) off the loop
+                    # when the output is long (deployments/pool/tokenize_offload.py).
+                    build = lambda: self._chat_response(final, params, plan, response_id, created, model)  # noqa: E731
+                    body = (await tokenize_off_loop(build, [c.token_ids for c in final.outputs])).to_json()
                     yield final_item(body, [gen])
                     return
                 report = StreamUsage.of(req.stream_options)
@@ -142,7 +151,7 @@ class OpenAIServingChat(OpenAIServing):
                 ChatChoice(
                     index=comp.index,
                     message=message,
-                    logprobs=self._chat_logprobs(comp, params),
+                    logprobs=chat_logprobs(comp, params.logprobs),
                     finish_reason=finish,
                 )
             )
@@ -153,6 +162,8 @@ class OpenAIServingChat(OpenAIServing):
             choices=choices,
             usage=usage(len(final.prompt_token_ids), [len(c.token_ids) for c in final.outputs], final),
         )
+        if final.prompt_logprobs is not None:
+            body.prompt_logprobs = vllm_prompt_logprobs(final.prompt_logprobs)
         if self.reasoning_parser is not None:
             thinking = sum(self._split_reasoning(comp, count=True)[0] for comp in final.outputs)
             body.usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=thinking)
@@ -217,7 +228,7 @@ class OpenAIServingChat(OpenAIServing):
                 output_ids[i] += comp.token_ids
                 item.token_ids.setdefault(i, []).extend(comp.token_ids)
                 deltas = _chat_deltas(parsers[i], comp, thinkers[i])
-                logprobs = self._chat_logprobs(comp, params)
+                logprobs = chat_logprobs(comp, params.logprobs)
                 if logprobs is not None and not deltas:
                     deltas = [ChatDelta(content="")]
                 for j, delta in enumerate(deltas):
@@ -243,37 +254,14 @@ class OpenAIServingChat(OpenAIServing):
                 usage=usage(prompt_tokens, num_tokens, first),
             )
             if self.reasoning_parser is not None:
-                thinking = sum(
+                count = lambda: sum(  # noqa: E731 - decodes prefixes of the output: off the loop when long
                     reasoning_tokens(t, self.tokenizer, ids)
                     for t, ids in zip(thinkers, output_ids, strict=True)
                 )
+                thinking = await tokenize_off_loop(count, output_ids)
                 body.usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=thinking)
             events.append(sse(body))
         yield final_item("".join([*events, DONE]), [gen])
-
-    def _chat_logprobs(self, comp: CompletionOutput, params: SamplingParams) -> ChoiceLogprobs | None:
-        if params.logprobs is None or comp.logprobs is None:
-            return None
-        content = []
-        for token_id, entry in zip(comp.token_ids, comp.logprobs, strict=False):
-            top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[: params.logprobs]
-            sampled = entry[token_id]
-            content.append(
-                TokenLogprob(
-                    token=token_text(sampled.decoded_token),
-                    logprob=sampled.logprob,
-                    bytes=list(token_text(sampled.decoded_token).encode()),
-                    top_logprobs=[
-                        TopLogprob(
-                            token=token_text(lp.decoded_token),
-                            logprob=lp.logprob,
-                            bytes=list(token_text(lp.decoded_token).encode()),
-                        )
-                        for _, lp in top
-                    ],
-                )
-            )
-        return ChoiceLogprobs(content=content, refusal=None)
 
 
 def _chat_deltas(

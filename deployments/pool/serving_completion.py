@@ -1,5 +1,7 @@
 """`/v1/completions` on one engine (vLLM's `OpenAIServingCompletion`): each prompt of a batch is its
-own engine request (`{request_id}-{k}`), their outputs merged into one response or one SSE stream."""
+own engine request (`{request_id}-{k}`), their outputs merged into one response or one SSE stream.
+What a choice shows of its prompt (`echo`, with its tokens' logprobs; `max_tokens: 0`) is
+`completion_echo.Echo`'s business."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from raylane.deployments.pool.completion_echo import Echo
+from raylane.deployments.pool.logprobs import joined, output_logprobs, vllm_prompt_logprobs
 from raylane.deployments.pool.serving import (
     OpenAIServing,
     StreamUsage,
@@ -19,7 +23,6 @@ from raylane.deployments.pool.serving import (
     last,
     served_model,
     sse,
-    token_text,
     usage,
 )
 from raylane.deployments.pool.tokenize_offload import tokenize_off_loop
@@ -27,7 +30,6 @@ from raylane.deployments.protocol.errors import OpenAIError, invalid
 from raylane.deployments.protocol.openai_schemas import (
     Completion,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     PromptTokensDetails,
 )
@@ -35,7 +37,6 @@ from raylane.deployments.protocol.sampling import grammar_param
 from raylane.deployments.protocol.wire import DONE, PoolItem, ResumeState, StreamItem
 from raylane.engine import EngineDeadError, RequestOutput, RequestOutputKind, SamplingParams
 from raylane.engine.lora import LoRARequest
-from raylane.engine.outputs import CompletionOutput
 
 Started = list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]  # (first output, the rest) per prompt
 
@@ -50,6 +51,7 @@ class OpenAIServingCompletion(OpenAIServing):
         resume: ResumeState | None = None,
         tenant: str = "",
         lora_request: LoRARequest | None = None,
+        cache_salt: str = "",
     ) -> AsyncIterator[PoolItem]:
         """`resume`: continue a stream that a failed replica began (deployments/protocol/wire.py); a prompt
         whose choices had all ended is not run again."""
@@ -63,7 +65,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts = await tokenize_off_loop(encode_all, req.prompt)
             for ids in prompts:
                 self.check_length(len(ids), params.max_tokens, "prompt")
-            await self._compile(params, grammar_param(req))
+            await self._compile(params, grammar_param(req), tenant)
             running = [k for k in range(len(prompts)) if not _ended(resume, range(k * n, (k + 1) * n))]
             for k in running:
                 resumed = engine_resumption(resume, n, k * n)
@@ -77,6 +79,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         resumed,
                         tenant,
                         lora_request,
+                        cache_salt,
                     )
                 )
         except OpenAIError as e:
@@ -87,13 +90,16 @@ class OpenAIServingCompletion(OpenAIServing):
         response_id = f"cmpl-{request_id}"
         created = resume.created if resume is not None else int(time.time())
         model = served_model(self.model_id, lora_request)
-        echoes = [self._prompt_text(p) if req.echo else "" for p in req.prompts()]
+        # Token-id prompts are decoded for their echo off the loop when long.
+        echo_all = lambda: [self._prompt_text(p) if req.echo else "" for p in req.prompts()]  # noqa: E731
+        texts = await tokenize_off_loop(echo_all, req.prompt if req.echo else "")
+        echo = Echo.of(req, params, texts, self._token_string)
         streams = [gen for _, gen in started]
         try:
             if not req.stream:
                 finals = await asyncio.gather(*(last(first, gen) for first, gen in started))
-                body = self._completion_response(finals, echoes, params, response_id, created, model)
-                yield final_item(body.to_json(), streams)
+                body = self._completion_response(finals, echo, params, response_id, created, model)
+                yield echo.counted(final_item(body.to_json(), streams))
                 return
             report = StreamUsage.of(req.stream_options)
             shown = {}
@@ -101,7 +107,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 shown |= self.resumed_texts(prompts[k], params, resume, range(k * n, (k + 1) * n))
             resumed = Resumed(resume, shown, running, sum(len(ids) for ids in prompts))
             async for chunk in self._completion_chunks(
-                started, echoes, params, response_id, created, model, report, resumed
+                started, echo, params, response_id, created, model, report, resumed
             ):
                 yield chunk
         except EngineDeadError as e:
@@ -124,10 +130,13 @@ class OpenAIServingCompletion(OpenAIServing):
             return prompt if isinstance(prompt, str) else ""
         return self.tokenizer.decode(prompt)
 
+    def _token_string(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+
     def _completion_response(
         self,
         finals: Sequence[RequestOutput],
-        echoes: list[str],
+        echo: Echo,
         params: SamplingParams,
         response_id: str,
         created: int,
@@ -136,16 +145,20 @@ class OpenAIServingCompletion(OpenAIServing):
         choices, prompt_tokens, completion_tokens = [], 0, []
         for k, final in enumerate(finals):
             prompt_tokens += len(final.prompt_token_ids)
+            prompt_part = echo.prompt_logprobs(final)
             for comp in final.outputs:
+                comp = echo.completion(comp)
                 completion_tokens.append(len(comp.token_ids))
-                choices.append(
-                    CompletionChoice(
-                        index=k * params.n + comp.index,
-                        text=echoes[k] + comp.text,
-                        logprobs=_completion_logprobs(comp, params, len(echoes[k])),
-                        finish_reason=comp.finish_reason,
-                    )
+                logprobs = output_logprobs(comp, params.logprobs, len(echo.texts[k]), self._token_string)
+                choice = CompletionChoice(
+                    index=k * params.n + comp.index,
+                    text=echo.texts[k] + comp.text,
+                    logprobs=joined(prompt_part, logprobs),
+                    finish_reason=comp.finish_reason,
                 )
+                if final.prompt_logprobs is not None:  # vLLM's field, beside the echo's `logprobs` too
+                    choice.prompt_logprobs = vllm_prompt_logprobs(final.prompt_logprobs)
+                choices.append(choice)
         body_usage = usage(prompt_tokens, completion_tokens, finals[0])
         body_usage.prompt_tokens_details = PromptTokensDetails(
             cached_tokens=sum(f.num_cached_tokens for f in finals)
@@ -155,7 +168,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _completion_chunks(
         self,
         started: Started,
-        echoes: list[str],
+        echo: Echo,
         params: SamplingParams,
         response_id: str,
         created: int,
@@ -163,7 +176,8 @@ class OpenAIServingCompletion(OpenAIServing):
         report: StreamUsage,
         resumed: Resumed | None = None,
     ) -> AsyncIterator[PoolItem]:
-        """Each item carries the token ids whose text it holds (`StreamItem`). A resumed stream sends
+        """Each item carries the token ids whose text it holds (`StreamItem`). The echo goes first, with
+        its prompt's logprobs (the first output of each prompt carries them). A resumed stream sends
         no echo again, its logprobs' text offsets carry on after the text sent before, and its usage
         counts the tokens sent before too."""
 
@@ -180,16 +194,21 @@ class OpenAIServingCompletion(OpenAIServing):
             return sse(body)
 
         n = params.n
-        offsets = [len(echoes[k]) for k in range(len(echoes)) for _ in range(n)]
+        offsets = [len(text) for text in echo.texts for _ in range(n)]
         num_tokens, finished = [0] * len(offsets), [False] * len(offsets)
-        events = [chunk(k * n + j, echo) for k, echo in enumerate(echoes) for j in range(n if echo else 0)]
+        events = []
         prompts = list(range(len(started)))  # the prompt of each started engine request
-        if resumed is not None and resumed.state is not None:
-            events, prompts, state = [], resumed.running, resumed.state
+        if resumed is None or resumed.state is None:
+            for k, text in enumerate(echo.texts):
+                prompt_part = echo.prompt_logprobs(started[k][0])  # a prompt's first output carries them
+                if text or prompt_part is not None:
+                    events += [chunk(k * n + j, text, prompt_part) for j in range(n)]
+        else:
+            prompts, state = resumed.running, resumed.state
             for index in range(len(offsets)):
                 num_tokens[index] = len(state.token_ids.get(index, ()))
                 finished[index] = index in state.finish_reasons
-                # Offsets count token strings, as `_completion_logprobs` does (the text sent can hold
+                # Offsets count token strings, as `output_logprobs` does (the text sent can hold
                 # back a partial character): the same offsets however the tokens were chunked.
                 offsets[index] += sum(len(self.tokenizer.decode([t])) for t in state.token_ids.get(index, ()))
         item = StreamItem("")
@@ -199,12 +218,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 index = k * n + comp.index
                 if finished[index]:
                     continue
+                comp = echo.completion(comp)
                 num_tokens[index] += len(comp.token_ids)
                 item.token_ids.setdefault(index, []).extend(comp.token_ids)
-                logprobs = _completion_logprobs(comp, params, offsets[index])
+                logprobs = output_logprobs(comp, params.logprobs, offsets[index], self._token_string)
                 if logprobs is not None and logprobs.tokens:
                     offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-                if comp.text or logprobs is not None:
+                if comp.text or (logprobs is not None and logprobs.tokens):
                     events.append(chunk(index, comp.text, logprobs))
                 if comp.finished:
                     finished[index] = True
@@ -223,7 +243,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 usage=usage(prompt_tokens, num_tokens, started[0][0]),
             )
             events.append(sse(body))
-        yield final_item("".join([*events, DONE]), [gen for _, gen in started])
+        yield echo.counted(final_item("".join([*events, DONE]), [gen for _, gen in started]))
 
 
 @dataclass(slots=True)
@@ -240,26 +260,6 @@ class Resumed:
 
 def _ended(resume: ResumeState | None, choices: range) -> bool:
     return resume is not None and all(i in resume.finish_reasons for i in choices)
-
-
-def _completion_logprobs(
-    comp: CompletionOutput, params: SamplingParams, offset: int
-) -> CompletionLogprobs | None:
-    if params.logprobs is None or comp.logprobs is None:
-        return None
-    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    for token_id, entry in zip(comp.token_ids, comp.logprobs, strict=False):
-        sampled = entry[token_id]
-        token = token_text(sampled.decoded_token)
-        top = sorted(entry.values(), key=lambda lp: -lp.logprob)[: params.logprobs]
-        tokens.append(token)
-        token_logprobs.append(sampled.logprob)
-        top_logprobs.append({token_text(lp.decoded_token): lp.logprob for lp in top})
-        text_offset.append(offset)
-        offset += len(token)
-    return CompletionLogprobs(
-        tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs, text_offset=text_offset
-    )
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -45,6 +45,7 @@ class OpenAIServingResponses:
         resume: ResumeState | None = None,
         tenant: str = "",
         lora_request: LoRARequest | None = None,
+        cache_salt: str = "",
     ) -> AsyncIterator[PoolItem]:
         """`resume`: continue a stream that a failed replica began (deployments/protocol/wire.py); `echo`
         (with the response's id and created_at) is the same for every replica that serves it."""
@@ -54,10 +55,18 @@ class OpenAIServingResponses:
             chat.check_length(len(prompt_ids), params.max_tokens, "messages", "max_tokens")
             kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
             engine_params = params.clone(output_kind=kind)
-            await chat._compile(engine_params, grammar_param(req))
+            await chat._compile(engine_params, grammar_param(req), tenant)
             resumed = engine_resumption(resume, params.n)
             first, gen = await chat._start(
-                prompt_ids, engine_params, request_id, "messages", priority, resumed, tenant, lora_request
+                prompt_ids,
+                engine_params,
+                request_id,
+                "messages",
+                priority,
+                resumed,
+                tenant,
+                lora_request,
+                cache_salt,
             )
         except OpenAIError as e:
             yield responses_error(e)

@@ -40,6 +40,11 @@ class OpenAIServingTokenization:
         return body.to_json()
 
     def detokenize(self, req: DetokenizeRequest) -> str:
+        if len(req.tokens) > self.max_model_len:
+            raise invalid(
+                "tokens",
+                f"At most {self.max_model_len} token ids (the context length), got {len(req.tokens)}.",
+            )
         vocab = len(self.tokenizer)
         for i, token in enumerate(req.tokens):
             if token >= vocab:

@@ -4,7 +4,7 @@ Requests reject unknown top-level fields, as OpenAI does ("Unrecognized request 
 objects (messages, tools) ignore unknown keys, because SDKs echo assistant messages back with extra
 fields (refusal, annotations, audio). A few vLLM extensions that clients pass through `extra_body`
 are accepted: top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
-include_stop_str_in_output, structured_outputs, chat_template_kwargs.
+include_stop_str_in_output, structured_outputs, chat_template_kwargs, prompt_logprobs.
 
 Responses are dumped with `exclude_unset=True`: a field whose default is null appears only when the
 builder sets it (to null where OpenAI shows a null), so stream deltas carry only what changed.
@@ -31,6 +31,9 @@ MAX_MESSAGES = 2048
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_LENGTH = 256  # characters: the detokenizer holds back text that may begin a stop string
 MAX_STOP_TOKEN_IDS = 256
+# vLLM's `prompt_logprobs`: top-k per prompt token, capped as vLLM's default `max_logprobs` (and chat's
+# `top_logprobs`) caps it. Each prompt token then costs a top-k and k decoded strings in the response.
+MAX_PROMPT_LOGPROBS = 20
 # Fields that identify rather than say something: an end user, a cache key, a tier. A client's value
 # is kept in logs, maps and stored responses, so it is bounded like a name, not like a prompt.
 MAX_IDENTIFIER_CHARS = 512
@@ -274,6 +277,7 @@ class SamplingRequest(_Request):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool | None = None
     structured_outputs: StructuredOutputs | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_PROMPT_LOGPROBS)
 
     @field_validator("stop")
     @classmethod
@@ -314,7 +318,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt alone (vLLM; lm-eval sends it)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool | None = False
     suffix: str | None = None
@@ -420,6 +424,18 @@ class ChatMessageOut(_Response):
     tool_calls: list[ToolCallOut] | None = None
 
 
+class PromptLogprob(_Response):
+    """vLLM's `prompt_logprobs` entry (its `Logprob`), keyed by token id."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per prompt token, None for the first (it has no context): vLLM's `prompt_logprobs`.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class ChatChoice(_Response):
     index: int
     message: ChatMessageOut
@@ -435,6 +451,7 @@ class ChatCompletion(_Response):
     choices: list[ChatChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, with `prompt_logprobs` asked for
 
 
 class ChatDelta(_Response):
@@ -473,6 +490,7 @@ class CompletionChoice(_Response):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension (whole responses only, as vLLM)
 
 
 class Completion(_Response):

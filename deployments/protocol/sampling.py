@@ -57,7 +57,8 @@ def chat_params(req: ChatCompletionRequest) -> tuple[SamplingParams, ToolPlan]:
     # A forced tool call is constrained by the tool's schema, as OpenAI does: response_format would
     # constrain text, and a forced call writes none (it is still checked above: a bad schema is a 400).
     constraint = tool_grammar or response_format or structured
-    return _sampling_params(req, req.max_output_tokens, logprobs, constraint), plan
+    params = _sampling_params(req, req.max_output_tokens, logprobs, constraint, _prompt_logprobs(req))
+    return params, plan
 
 
 def completion_params(req: CompletionRequest) -> SamplingParams:
@@ -65,15 +66,37 @@ def completion_params(req: CompletionRequest) -> SamplingParams:
         raise invalid("suffix", "suffix is not supported.", code="unsupported_parameter")
     if req.best_of is not None and req.best_of != req.n:
         raise invalid("best_of", "best_of must equal n (only the sampled choices are returned).")
-    if req.echo and req.logprobs is not None:
-        raise invalid("echo", "echo with logprobs is not supported (prompt logprobs are not computed).")
     if isinstance(req.prompt, list) and not req.prompt:
         raise invalid("prompt", "prompt must not be empty.")
-    return _sampling_params(req, req.max_tokens, req.logprobs, _structured_outputs(req))
+    max_tokens = req.max_tokens
+    if max_tokens == 0:
+        # The echoed prompt alone (with its logprobs): the engine samples one token, which the pool
+        # drops (deployments/pool/serving_completion.py), so the engine has no special case for it.
+        if not req.echo:
+            raise invalid("max_tokens", "max_tokens must be at least 1 (0 only together with echo).")
+        if req.min_tokens:
+            raise invalid("min_tokens", "min_tokens must be 0 when max_tokens is 0.")
+        max_tokens = 1
+    prompt_logprobs = _prompt_logprobs(req)
+    if req.echo and req.logprobs is not None:  # the echoed prompt's tokens carry logprobs (vLLM)
+        prompt_logprobs = req.logprobs if req.prompt_logprobs is None else req.prompt_logprobs
+    return _sampling_params(req, max_tokens, req.logprobs, _structured_outputs(req), prompt_logprobs)
+
+
+def _prompt_logprobs(req: SamplingRequest) -> int | None:
+    """vLLM's `prompt_logprobs` (bounded by the schema). A stream carries none: with a stream, a
+    value above 0 is a 400 and 0 is accepted and ignored, as in vLLM."""
+    if req.stream and req.prompt_logprobs:
+        raise invalid("prompt_logprobs", "prompt_logprobs are not available when stream is true.")
+    return None if req.stream else req.prompt_logprobs
 
 
 def _sampling_params(
-    req: SamplingRequest, max_tokens: int | None, logprobs: int | None, structured
+    req: SamplingRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    structured,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     if req.logit_bias:
         raise invalid("logit_bias", "logit_bias is not supported.", code="unsupported_parameter")
@@ -96,6 +119,7 @@ def _sampling_params(
         frequency_penalty=_default(req.frequency_penalty, 0.0),
         repetition_penalty=_default(req.repetition_penalty, 1.0),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         structured=structured,
     )
     try:

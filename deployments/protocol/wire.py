@@ -140,6 +140,9 @@ class PoolRequest:
     echo: dict | None = None
     priority: int = 0
     tenant: str = ""
+    # Prefix-cache scope (vLLM's cache_salt): requests share cached blocks only within one salt,
+    # by default their key's (gateway.prefix_cache_sharing).
+    cache_salt: str = ""
     adapter: AdapterRef | None = None
     resume: ResumeState | None = None
 

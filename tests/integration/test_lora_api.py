@@ -2,6 +2,9 @@
 Llama) serves two adapters PEFT made for it, `alpha` and `beta` (tests/live_servers.py)."""
 
 import concurrent.futures
+import shutil
+import tempfile
+from pathlib import Path
 
 import httpx2
 import openai
@@ -119,14 +122,22 @@ def test_an_adapter_the_pool_could_not_run_is_refused_when_it_is_loaded(api_serv
     http = httpx2.Client(base_url=api_server.url, timeout=60)
     llama = api_server.config.pool("chat").model
     too_wide = str(make_adapter(llama, tmp_path / "wide", 3, 32, 32, ["q_proj"], False))  # max_lora_rank 16
-    for path, says in (
-        ("relative/dir", "absolute"),
-        (str(tmp_path / "nowhere"), "nowhere"),
-        (too_wide, "rank"),
-    ):
-        refused = http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": path})
-        error = refused.json()["error"]
-        assert refused.status_code == 400 and error["param"] == "lora_path" and says in error["message"]
+    outside = Path(tempfile.mkdtemp(dir="/var/tmp"))  # beyond gateway.lora_adapter_roots (/tmp)
+    try:
+        fine = make_adapter(llama, outside / "fine", 3, 4, 8, ["q_proj"], False)
+        (tmp_path / "link").symlink_to(fine)  # inside a root, resolving outside it
+        for path, says in (
+            ("relative/dir", "absolute"),
+            (str(tmp_path / "nowhere"), "nowhere"),
+            (too_wide, "rank"),
+            (str(fine), "outside the directories"),
+            (str(tmp_path / "link"), "outside the directories"),
+        ):
+            refused = http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": path})
+            error = refused.json()["error"]
+            assert refused.status_code == 400 and error["param"] == "lora_path" and says in error["message"]
+    finally:
+        shutil.rmtree(outside)
     reasoning = http.post("/v1/load_lora_adapter", json={"lora_name": "reasoning:x", "lora_path": too_wide})
     assert reasoning.status_code == 400 and "serves no LoRA adapters" in reasoning.json()["error"]["message"]
     assert "bad" not in {m["id"] for m in http.get("/v1/models").json()["data"]}

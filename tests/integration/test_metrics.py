@@ -19,8 +19,10 @@ from prometheus_client.parser import text_string_to_metric_families
 TIMEOUT_S = 60
 
 
-def scrape(url: str) -> dict[tuple[str, frozenset], float]:
-    r = httpx2.get(f"{url}/metrics", timeout=60)
+def scrape(url: str, key: str | None = None) -> dict[tuple[str, frozenset], float]:
+    """/metrics of the app at `url`, read with API key `key` where it has keys."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = httpx2.get(f"{url}/metrics", headers=headers, timeout=60)
     assert r.status_code == 200, r.text
     assert r.headers["content-type"].startswith("text/plain")
     return {
@@ -316,7 +318,7 @@ def test_a_fallback_and_a_shed_are_counted_with_their_labels(router_server):
         health = httpx2.get(f"{server.url}/health", headers=headers, timeout=60).json()
         return health["router"]["pools"][pool]["in_flight"]
 
-    before = scrape(server.url)
+    before = scrape(server.url, ROUTER_KEYS["premium"])
     r = chat("premium", "reasoning", " ".join(["tell me about the weather"] * 40))
     assert r.status_code == 200, r.text
     assert r.headers["x-raylane-fallback"] == "reasoning;reason=context_length"
@@ -337,7 +339,7 @@ def test_a_fallback_and_a_shed_are_counted_with_their_labels(router_server):
     fallback = {"from_pool": "reasoning", "to_pool": "chat", "reason": "context_length"}
 
     def counted():
-        after = scrape(server.url)
+        after = scrape(server.url, ROUTER_KEYS["premium"])
         return delta(after, "raylane_fallbacks_total", **fallback) >= 1 and after
 
     after = wait_for(counted, "the fallback in /metrics")

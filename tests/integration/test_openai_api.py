@@ -461,6 +461,15 @@ def test_completions(client, tokenizer):
     assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
     assert all(c.text.startswith("One" if c.index < 2 else "Two") for c in batch.choices)
 
+    # lm-eval's loglikelihood request: the prompt scored, nothing generated (tests/unit/
+    # test_completions_echo.py checks the values).
+    ids = tokenizer.encode("The sea is", add_special_tokens=False)
+    scored = client.completions.create(model="chat", prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    [choice] = scored.choices
+    assert choice.text == "The sea is" and scored.usage.completion_tokens == 0
+    assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.tokens) == len(ids)
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs[1:])
+
 
 def test_embeddings_place_related_sentences_closer(client):
     texts = [

@@ -29,6 +29,7 @@ from tests.unit.test_engine_vs_hf import NEW_TOKENS, hf_greedy, prompts
 
 CPUS_PER_RANK = 0.25  # the session cluster is shared with Serve tests: keep every actor fractional
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
+SCORED = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3)  # every prompt position's logits
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -101,11 +102,19 @@ def test_demo_models_in_parallel_match_single_rank_and_hf(ray_cluster, demo_mode
             tokenizer.encode(p) for p in ("Ray Serve scales", "def fibonacci(n):", "The capital of")
         ]
         ref = single.generate(prompt_sets, GREEDY)
+        ref_scored = single.generate(prompt_sets, SCORED)
     with engine_of(path, tensor_parallel_size=tp, expert_parallel_size=ep) as llm:
         out = llm.generate(prompt_sets, GREEDY)
+        scored = llm.generate(prompt_sets, SCORED)
         weights = [i["weight_bytes"] for i in llm.engine.executor.rank_info]
     assert [o.outputs[0].text for o in out] == [o.outputs[0].text for o in ref]
     assert_same_as_hf(out, hf_greedy(str(path), prompt_sets))
+    # Prompt logprobs: the prompt positions' logits rows come back from the ranks like the sampling rows.
+    for got, want in zip(scored, ref_scored, strict=True):
+        assert len(got.prompt_logprobs) == len(want.prompt_logprobs) and got.prompt_logprobs[0] is None
+        for ours, theirs in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
+            assert ours.keys() == theirs.keys()
+            assert all(ours[t].logprob == pytest.approx(theirs[t].logprob, abs=2e-3) for t in ours)
     full = single.engine.runner.weight_bytes()
     assert max(weights) < 0.75 * full  # each rank holds a shard, not the model
 

@@ -47,6 +47,22 @@ def load(server, pool: str) -> dict:
     return health(server)["router"]["pools"][pool]
 
 
+def test_one_key_learns_nothing_from_anothers_cached_prompt(server):
+    """Prefix-cache hits are scoped to the key by default (gateway.prefix_cache_sharing): a document
+    only the premium key sent is cached for it (its second send hits), and the standard key's copy
+    reports 0 cached tokens, as if nobody had sent it."""
+    document = [{"role": "user", "content": "Summarise: " + "the quarterly numbers were fine. " * 12}]
+
+    def cached(tier: str) -> int:
+        r = chat(server, "coding", tier=tier, messages=document, max_tokens=1)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("premium") == 0
+    assert cached("premium") > 0
+    assert cached("standard") == 0
+
+
 def test_keys_are_required_when_configured(server):
     for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"x-api-key": "nope"}):
         r = httpx2.post(

@@ -73,6 +73,9 @@ def test_mistakes_are_4xx_naming_the_field(http, tokenizer):
     assert error["param"] == "tokens[1]" and str(vocab) in error["message"]
     error = error_of(http.post("/detokenize", json={"model": "chat", "tokens": [-1]}), 400)
     assert error["param"] == "tokens[0]"
+    context = http.post("/tokenize", json={"model": "chat", "prompt": "x"}).json()["max_model_len"]
+    error = error_of(http.post("/detokenize", json={"model": "chat", "tokens": [5] * (context + 1)}), 400)
+    assert error["param"] == "tokens" and "context length" in error["message"]
     error = error_of(http.post("/tokenize", json={"model": "nope", "prompt": "x"}), 404)
     assert error["param"] == "model"
     both = {"model": "chat", "messages": MESSAGES, "continue_final_message": True}

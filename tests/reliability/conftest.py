@@ -188,12 +188,14 @@ def serve_cpu_s(app: str) -> dict[str, float]:
     return out
 
 
-def resumptions(url: str) -> float:
-    """Streams the app at `url` resumed on another replica or pool, from its /metrics."""
+def resumptions(url: str, key: str | None = None) -> float:
+    """Streams the app at `url` resumed on another replica or pool, from its /metrics (read with API
+    key `key` where the app has keys)."""
     import httpx2
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx2.get(f"{url}/metrics", timeout=60).text
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    text = httpx2.get(f"{url}/metrics", headers=headers, timeout=60).text
     return sum(
         s.value
         for family in text_string_to_metric_families(text)

@@ -43,7 +43,7 @@ def app_config(demo_models, port: int):
     return ClusterConfig.from_dict(
         {
             "http": {"host": "127.0.0.1", "port": port},
-            "gateway": {"num_cpus": 0.1, "metrics_require_key": True},
+            "gateway": {"num_cpus": 0.1},  # /metrics asks for a key by default
             "pools": [llama_pool(demo_models, "chat", engine={"max_model_len": 64})],
             "tiers": [
                 {"name": name, "priority": PRIORITY[name], **tier, **LIMITS.get(name, {})} for name in KEYS

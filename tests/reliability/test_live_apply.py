@@ -258,7 +258,8 @@ def test_apply_changes_a_cluster_under_load_without_a_failed_request(api_server,
             from raylane.cluster.status import collect
 
             assert collect(APP)[1]["config_generation"] == generation == 5
-            metrics = httpx2.get(f"{url}/metrics", timeout=30).text
+            premium = {"Authorization": f"Bearer {KEYS['premium']}"}
+            metrics = httpx2.get(f"{url}/metrics", headers=premium, timeout=30).text
             assert 'raylane_config_applies_total{result="applied"} 4.0' in metrics, metrics[-3000:]
             assert 'raylane_config_applies_total{result="rolled_back"} 1.0' in metrics
             assert "raylane_config_generation{" in metrics

@@ -147,6 +147,15 @@ async def big_tokenize_and_embeddings(http: httpx2.AsyncClient) -> tuple[int, st
     return await answer(await http.post("/v1/embeddings", json=body))
 
 
+async def detokenize_flood(http: httpx2.AsyncClient) -> tuple[int, str | None]:
+    """/detokenize of 150,000 ids (past the pool's context: charged as many tokens, then a 400 from
+    the pool) and of 250 (decoded): each charged its tokens and admitted like a generation."""
+    SENT["detokenize"] = SENT.get("detokenize", 0) + 1
+    count = 150_000 if SENT["detokenize"] % 2 else 250
+    body = {"model": "chat", "tokens": [5 + i % 500 for i in range(count)]}
+    return await answer(await http.post("/detokenize", json=body))
+
+
 async def pool_flood(http: httpx2.AsyncClient) -> tuple[int, str | None]:
     body = chat_body(max_tokens=200, ignore_eos=True, stream=True)
     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -187,6 +196,7 @@ ATTACKS = {
     "huge bodies": huge_body,
     "huge field values": huge_fields,
     "oversized /tokenize and embeddings": big_tokenize_and_embeddings,
+    "/detokenize flood": detokenize_flood,
     "one key flooding a pool": pool_flood,
     "grammar-compile flood": grammar_flood,
     "slow readers": slow_reader,

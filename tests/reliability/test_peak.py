@@ -214,6 +214,6 @@ def test_a_peak_with_a_replica_killed_halfway_loses_nothing(two_replicas, report
         streams=STREAMS,
         outcomes=counts,
         status_5xx=0,
-        resumed=int(resumptions(two_replicas)),
+        resumed=int(resumptions(two_replicas, KEYS["premium"])),
         **premium_figures(premium),
     )

@@ -64,3 +64,16 @@ def test_allocation_fails_without_enough_blocks_and_free_returns_them():
     bm.free(a)
     assert bm.num_free_blocks == 3
     assert bm.allocate_slots(b, 8)
+
+
+def test_cached_blocks_are_shared_only_within_one_cache_salt():
+    """A tenant's scope (vLLM's cache_salt): the same prompt from another scope finds nothing cached,
+    so its hit count tells it nothing of what the first sent; the same scope finds its blocks."""
+    bm = BlockManager(num_blocks=32, block_size=4)
+    a = make_request(list(range(13)), "a")
+    a.cache_salt = "key:A"
+    assert schedule_prompt(bm, a) == 0
+    for rid, salt, hits in (("b", "key:B", 0), ("none", "", 0), ("a2", "key:A", 12)):
+        request = make_request(list(range(13)), rid)
+        request.cache_salt = salt
+        assert schedule_prompt(bm, request) == hits, salt

@@ -299,3 +299,46 @@ def test_a_config_takes_new_sections_validated_as_a_whole():
     named = r"(?s)user config.*router\.routes\[0\]\.pool: 'coding' is not a pool"
     with pytest.raises(ConfigError, match=named):
         base.with_sections(wrong, "user config")
+
+
+def test_a_batch_store_url_with_a_password_is_refused_naming_the_field():
+    """A config travels into a RayService's serveConfigV2 and Ray's GCS: the password comes from
+    PGPASSWORD (a Secret in the pod's environment), never the URL."""
+    for url in (
+        "postgresql://raylane:hunter2@db/raylane",
+        "postgresql://raylane@db/raylane?password=hunter2",
+    ):
+        with pytest.raises(ConfigError, match="batch.store: the URL holds a password") as refused:
+            ClusterConfig.from_dict({"pools": [pool()], "batch": {"store": url}})
+        assert "hunter2" not in str(refused.value)
+    ok = ClusterConfig.from_dict({"pools": [pool()], "batch": {"store": "postgresql://raylane@db/raylane"}})
+    assert ok.batch.store == "postgresql://raylane@db/raylane"
+
+
+def test_no_peer_may_name_a_clients_address_to_serves_proxy():
+    """Open mode keys callers by address (fair shares, stored responses): Serve's proxy (uvicorn)
+    would take it from X-Forwarded-For sent by any local peer, HAProxy or a client on the node. Under
+    raylane's Serve settings it keeps the connection's own address."""
+    import asyncio
+
+    from uvicorn.config import Config
+    from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+    from raylane.cluster.serve_env import SERVE_ENV, serve_env
+
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(scope["client"][0])
+
+    with serve_env():
+        trusted = Config(app).forwarded_allow_ips  # as Serve's proxy builds its uvicorn Config
+    assert SERVE_ENV["FORWARDED_ALLOW_IPS"] == trusted
+    scope = {
+        "type": "http",
+        "client": ("127.0.0.1", 5000),
+        "headers": [(b"x-forwarded-for", b"6.6.6.6")],
+    }
+    asyncio.run(ProxyHeadersMiddleware(app, trusted_hosts=trusted)(scope, None, None))
+    asyncio.run(ProxyHeadersMiddleware(app)(dict(scope), None, None))  # uvicorn's own default
+    assert seen == ["127.0.0.1", "6.6.6.6"]

@@ -87,7 +87,7 @@ def test_a_pools_full_or_starved_compile_queue_is_the_clients_429_with_retry_aft
     from raylane.deployments.protocol.errors import OpenAIError
 
     class FullQueue:
-        async def prepare(self, structured) -> None:
+        async def prepare(self, structured, tenant: str = "") -> None:
             raise busy
 
     serving = OpenAIServing(SimpleNamespace(tokenizer=None), "m", 128, grammar=FullQueue())

@@ -1,6 +1,8 @@
 """A config applied to a running cluster (`raylane apply`): the plan it makes, and the router taking a
 new config in place without forgetting what requests and keys already hold."""
 
+import pickle
+
 import pytest
 
 from raylane.cluster.apply import plan_changes
@@ -120,3 +122,37 @@ def test_router_update_refuses_a_route_to_no_pool_and_changes_nothing():
     with pytest.raises(ValueError, match="nowhere"):
         router.update(bad, [TierConfig(name="premium", priority=0)], ApiKeysConfig(), [])
     assert router.authenticate(bearer("sk-premium")).tier.name == "premium"
+
+
+def test_the_record_of_a_running_config_holds_key_digests_as_json_and_still_authenticates(monkeypatch):
+    """Ray's GCS is readable by every job and dashboard user: the live-config record (and the
+    gateway's init arguments) keep the inline keys as `sha256:` digests, in JSON, never pickled; the
+    config read back is the same config (digest, plan) and its keys still let their holders in."""
+    import json
+
+    from raylane.deployments import live_config
+    from raylane.router.tiers import ApiKeyAuthenticator
+
+    kv: dict[bytes, bytes] = {}
+
+    class FakeKV:  # Ray's internal KV, as a dict (no Ray started for a unit test)
+        @staticmethod
+        def _internal_kv_put(key, value, overwrite=True, namespace=None):
+            kv[key] = value
+
+        @staticmethod
+        def _internal_kv_get(key, namespace=None):
+            return kv.get(key)
+
+    monkeypatch.setattr(live_config, "_kv", lambda: FakeKV)
+    config = cluster(api_keys={"keys": {"sk-secret-a": "premium", "sk-secret-b": "standard"}})
+    digest = live_config.store("app", config)
+    [raw] = kv.values()
+    assert b"sk-secret" not in raw and json.loads(raw)["api_keys"]["keys"]
+    loaded = live_config.load("app", digest)
+    assert live_config.config_digest(loaded) == digest and plan_changes(loaded, config).empty
+    auth = ApiKeyAuthenticator(loaded.api_keys, loaded.tiers)
+    assert auth.authenticate(bearer("sk-secret-a")).tier.name == "premium"
+    with pytest.raises(AuthenticationError):  # presenting the digest is not presenting the key
+        auth.authenticate(bearer(next(iter(loaded.api_keys.keys)).get_secret_value()))
+    assert b"sk-secret" not in pickle.dumps(config.with_key_digests())  # what the gateway is given

@@ -6,12 +6,15 @@ the adapter unmerged and merged into the weights, alone or mixed in one batch wi
 and other adapters.
 """
 
+import math
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from raylane.engine import LLM, LoRARequest, SamplingParams
+from raylane.parallel.lora import LoRALayer
 from tests.hf_models import make_checkpoint
 
 PROMPTS = [[5, 9, 11, 3, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59]]
@@ -160,3 +163,92 @@ def test_adapters_on_quantized_base_weights(checkpoint, tmp_path, quantization):
         mixed = engine_greedy(llm, [lora for lora in loras for _ in PROMPTS])
     assert mixed == [out for outs in alone for out in outs]
     assert alone[0] != alone[1] and alone[0] != alone[2]
+
+
+def poisoned_copy(adapter: LoRARequest, out: Path, value: float, lora_id: int) -> LoRARequest:
+    """A copy of `adapter` with one weight of its first tensor set to `value`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(adapter.lora_path, out)
+    tensors = load_file(out / "adapter_model.safetensors")
+    first = sorted(tensors)[0]
+    tensors[first].view(-1)[0] = value
+    save_file(tensors, out / "adapter_model.safetensors")
+    return LoRARequest(out.name, lora_id, str(out))
+
+
+def test_non_finite_or_huge_adapter_weights_are_refused(checkpoint, tmp_path):
+    base = checkpoint("llama")
+    good = LoRARequest("good", 1, str(make_adapter(base, tmp_path / "good", 0, *ADAPTERS["attn-r4"])))
+    with LLM(base, num_kv_blocks=64, enable_lora=True, max_lora_rank=16) as llm:
+        for i, (value, message) in enumerate([(math.nan, "NaN or infinite"), (math.inf, "NaN or infinite"),
+                                              (1e6, "beyond 1000")]):  # fmt: skip
+            bad = poisoned_copy(good, tmp_path / f"bad{i}", value, 10 + i)
+            with pytest.raises(ValueError, match=message):
+                llm.generate([PROMPTS[0]], greedy(), lora_request=bad)
+            with pytest.raises(ValueError, match=message):
+                llm.engine.check_lora(bad.lora_path)  # what POST /v1/load_lora_adapter asks first
+        assert engine_greedy(llm, [good] * len(PROMPTS)) == peft_greedy(base, good)
+
+
+def test_a_slot_holding_nan_leaves_every_other_row_of_the_step_as_it_was(checkpoint, tmp_path):
+    """Whatever one slot holds (here NaN written into it behind the checks), the base model's rows and
+    another adapter's rows in the same steps are token-identical to a run without it: each slot's
+    update reaches its own rows only (0 x NaN is NaN: a mask that multiplies would spread it)."""
+    base = checkpoint("llama")
+    a, b = (
+        LoRARequest(name, i + 1, str(make_adapter(base, tmp_path / name, i, *ADAPTERS[name])))
+        for i, name in enumerate(["attn-r4", "all-r8"])
+    )
+    with LLM(base, num_kv_blocks=128, enable_lora=True, max_loras=2, max_lora_rank=16) as llm:
+        clean = engine_greedy(llm, [None] * len(PROMPTS) + [b] * len(PROMPTS))
+        engine_greedy(llm, [a] * len(PROMPTS))  # `a` resident in its slot
+        runner = llm.engine.executor.runner
+        slot = llm.engine.scheduler.lora_slots.slot_of(a)
+        for layer in (m for m in runner.model.modules() if isinstance(m, LoRALayer)):
+            for sub in range(len(layer.sub_sizes)):
+                layer.lora_b[:, layer.columns(sub, slot)] = math.nan
+            layer.repack()
+        mixed = engine_greedy(llm, [None] * len(PROMPTS) + [a] * len(PROMPTS) + [b] * len(PROMPTS))
+    n = len(PROMPTS)
+    assert mixed[:n] + mixed[2 * n :] == clean
+
+
+def test_an_adapters_files_changing_under_a_running_engine_fail_nothing(checkpoint, tmp_path):
+    """An adapter is read once, when first asked for: its files replaced by garbage or removed later
+    (while it is evicted from its slot and loaded again) change nothing and end no step."""
+    base = checkpoint("llama")
+    a, b = (
+        LoRARequest(name, i + 1, str(make_adapter(base, tmp_path / name, i, *ADAPTERS[name])))
+        for i, name in enumerate(["attn-r4", "all-r8"])
+    )
+    with LLM(base, num_kv_blocks=128, enable_lora=True, max_loras=1, max_lora_rank=16) as llm:
+        first = engine_greedy(llm, [a] * len(PROMPTS))
+        (Path(a.lora_path) / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+        engine_greedy(llm, [b] * len(PROMPTS))  # evicts `a` from the one slot
+        shutil.rmtree(b.lora_path)
+        assert engine_greedy(llm, [a] * len(PROMPTS)) == first  # loaded again, from memory
+        assert engine_greedy(llm, [b] * len(PROMPTS))  # still served
+
+
+def test_a_request_waiting_for_an_adapter_slot_does_not_hold_up_the_requests_behind_it(checkpoint, tmp_path):
+    """One slot, pinned by a running request of adapter `a`: a request of adapter `b` waits for it,
+    and a base-model request that arrived after `b` runs meanwhile, then `b` once the slot frees."""
+    base = checkpoint("llama")
+    a, b = (
+        LoRARequest(name, i + 1, str(make_adapter(base, tmp_path / name, i, *ADAPTERS[name])))
+        for i, name in enumerate(["attn-r4", "all-r8"])
+    )
+    with LLM(base, num_kv_blocks=128, enable_lora=True, max_loras=1, max_lora_rank=16) as llm:
+        engine = llm.engine
+        engine.add_request(PROMPTS[0], greedy().clone(max_tokens=40), request_id="a", lora_request=a)
+        engine.step()
+        engine.add_request(PROMPTS[0], greedy(), request_id="b", lora_request=b)
+        engine.add_request(PROMPTS[1], greedy(), request_id="base")
+        engine.step()
+        running = {r.request_id for r in engine.scheduler.running}
+        assert running == {"a", "base"} and [r.request_id for r in engine.scheduler.waiting] == ["b"]
+        done = set()
+        while engine.has_unfinished_requests():
+            done |= {out.request_id for out in engine.step() if out.finished}
+        assert done == {"a", "b", "base"}

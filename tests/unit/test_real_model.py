@@ -196,3 +196,66 @@ def test_a_bfloat16_kv_cache_holds_twice_the_tokens_and_stays_close(
     )
     assert mean <= 0.01 and worst <= 0.15
     assert identical >= len(CHATS) - 1
+
+
+# -- prompt logprobs (what lm-eval's loglikelihood tasks read through `echo` + `logprobs`) ------------
+
+PROMPT_LOGPROB_TOL = 1e-3  # the brief's bound; measured here: a few 1e-5 (float32 on both sides)
+TOP_K = 5
+
+
+def hf_prompt_logprobs(hf_model, prompt: list[int]) -> torch.Tensor:
+    """transformers' log-softmax of one forward over the prompt: row i is the distribution of token i + 1."""
+    with torch.no_grad():
+        return torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+
+
+def prompt_logprob_error(out, prompt: list[int], ref: torch.Tensor) -> float:
+    """The largest logprob difference from transformers' over the prompt tokens and their top-k; the
+    top-k ids and the ranks are asserted equal where no near-tie can swap them."""
+    entries = out.prompt_logprobs
+    assert entries is not None and len(entries) == len(prompt) and entries[0] is None
+    worst = 0.0
+    for i in range(1, len(prompt)):
+        entry, row = entries[i], ref[i - 1]
+        token = prompt[i]
+        top_values, top_ids = row.topk(TOP_K + 1)
+        ours = [t for t in entry if entry[t].rank <= TOP_K]  # the top-k (and the token itself, if in them)
+        if top_values[TOP_K - 1] - top_values[TOP_K] > PROMPT_LOGPROB_TOL:  # no tie at the k-th place
+            assert set(ours) | {token} >= set(top_ids[:TOP_K].tolist()) - {token}
+        if not ((row - row[token]).abs() <= PROMPT_LOGPROB_TOL).sum() > 1:  # the token's own rank
+            assert entry[token].rank == int((row > row[token]).sum()) + 1
+        for tid, lp in entry.items():
+            worst = max(worst, abs(lp.logprob - row[tid].item()))
+    return worst
+
+
+PROMPT_LOGPROB_SETTINGS = {
+    "whole-prompts": dict(),
+    # every prompt in chunks of at most 7 tokens (7 and 4 share no factor: chunks straddle blocks)
+    "chunked-prefill": dict(max_num_batched_tokens=7, block_size=4),
+}
+
+
+@pytest.mark.parametrize("setting", list(PROMPT_LOGPROB_SETTINGS))
+def test_prompt_logprobs_equal_transformers_log_softmax(setting, gguf_path, chat_prompts, hf_model):
+    """Each prompt token's logprob, rank and top-k as transformers computes them on the same weights;
+    sent again, when the prefix cache holds the prompt, they are computed in full again (a cached
+    position is never forwarded), while the cache that request filled serves the others."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=TOP_K)
+    prompts = chat_prompts[:3]
+    with LLM(str(gguf_path), num_kv_blocks=256, **PROMPT_LOGPROB_SETTINGS[setting]) as llm:
+        first = llm.generate(prompts, params)
+        again = llm.generate(prompts, params)
+        plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1))
+    worst = 0.0
+    for prompt, out, out_again in zip(prompts, first, again, strict=True):
+        ref = hf_prompt_logprobs(hf_model, prompt)
+        worst = max(
+            worst, prompt_logprob_error(out, prompt, ref), prompt_logprob_error(out_again, prompt, ref)
+        )
+        assert out_again.num_cached_tokens == 0
+    print(f"{setting}: prompt logprobs at most {worst:.1e} from transformers'")
+    assert worst <= PROMPT_LOGPROB_TOL
+    assert all(out.num_cached_tokens > 0 for out in plain)  # the prompt-logprob requests filled the cache
+    assert all(out.prompt_logprobs is None for out in plain)

@@ -222,3 +222,19 @@ async def test_an_adapters_requests_follow_the_replica_holding_it_and_spread_whe
     assert (await route(router, adapter_chat("team-a", "three")))[0] == "a"
     load(router, a, 3)
     assert (await route(router, adapter_chat("team-a", "four")))[0] == "b"
+
+
+async def test_a_prompt_follows_only_the_replica_that_cached_it_for_its_own_scope():
+    """With per-key prefix caching, key B's copy of key A's prompt finds no cached block anywhere, so
+    it is routed by load, not after A's replica (whose choice would hint at what A sent)."""
+    from dataclasses import replace
+
+    def scoped(salt: str) -> PendingRequest:
+        pending = chat(SYSTEM, "first question")
+        pending.args[0] = replace(pending.args[0], cache_salt=salt)
+        return pending
+
+    router = make_router()
+    a, a_again, b = (router._hashes(scoped(s)) for s in ("key:A", "key:A", "key:B"))
+    assert a == a_again and a
+    assert not set(a) & set(b)

@@ -48,3 +48,52 @@ def test_a_key_past_its_quota_loses_its_own_oldest_not_anothers():
     assert store.get("a_7") is None and store.get("b_0") == store.get("c_0") == "{}"
     assert store.size() == 5
     assert store.delete("a_9") and store.get("a_9") is None
+
+
+def test_bytes_are_bounded_per_key_and_in_all():
+    """Counts alone let a key keep 1,000 responses of any size: a key past its byte budget loses its
+    own oldest; past the total, the key holding the most bytes does; a record larger than a key's
+    whole budget is not stored at all."""
+    store = ResponseStore(max_entries=100, ttl_s=60, max_bytes=3000, max_bytes_per_key=2000)
+    store.put("b_0", "b" * 500, key="B")
+    for i in range(5):
+        assert store.put(f"a_{i}", "a" * 600, key="A")
+    assert [i for i in range(5) if store.get(f"a_{i}")] == [2, 3, 4]  # 1,800 of A's 2,000 bytes
+    assert store.get("b_0") is not None
+    store.put("c_0", "c" * 900, key="C")  # 3,200 in all: A, holding the most, gives its oldest
+    assert store.get("a_2") is None and store.get("b_0") and store.get("c_0")
+    assert store.total_bytes == 500 + 1200 + 900
+    assert not store.put("huge", "h" * 2001, key="B") and store.get("huge") is None
+    store.delete("b_0")
+    assert store.bytes_of == {"A": 1200, "C": 900}
+
+
+def test_a_response_stored_in_open_mode_is_nobodys_once_keys_are_on():
+    """Stored while the cluster had no keys (owner: none), a response is not readable by a key once
+    keys are configured: it is dropped when one asks, and a 404 as if it never existed."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import pytest
+
+    from raylane.config import default_tiers
+    from raylane.deployments.gateway.responses_api import StoredResponses
+    from raylane.deployments.protocol.errors import OpenAIError
+    from raylane.router import Principal
+
+    actor = ResponseStore(max_entries=10, ttl_s=60)
+
+    async def call(method, *args):
+        return getattr(actor, method)(*args)
+
+    handle = SimpleNamespace(
+        **{m: SimpleNamespace(remote=lambda *a, m=m: call(m, *a)) for m in ("get", "put", "delete")}
+    )
+    stored = StoredResponses(handle)
+    tier = default_tiers()[1]
+    anonymous, keyed = Principal("anonymous:127.0.0.1", tier), Principal("key-abc", tier)
+    asyncio.run(stored._save({"id": "resp_1", "output": []}, [], anonymous))
+    assert asyncio.run(stored.record("resp_1", anonymous))["owner"] is None  # open mode reads it
+    with pytest.raises(OpenAIError) as refused:
+        asyncio.run(stored.record("resp_1", keyed))
+    assert refused.value.status == 404 and actor.get("resp_1") is None  # and it is gone

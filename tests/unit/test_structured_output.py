@@ -340,3 +340,36 @@ while time.monotonic() < deadline:
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
     assert out.stdout.strip() == "forkserver up", out.stderr[-2000:]
+
+
+def test_a_pools_compiles_are_shared_per_key_and_a_failing_grammar_costs_the_worker_once(manager):
+    """The key travels with the compile: a compile that ran out its time holds one of its key's
+    places for as long again (other keys' places untouched), and the same grammar sent again, by
+    anyone, is refused from the pool's memory of failures without reaching the worker."""
+    import asyncio
+
+    from raylane.engine.grammar_compiler import GrammarCompileService
+
+    info = manager.tokenizer_info.serialize_json()
+
+    async def fetch() -> str:
+        return info
+
+    async def main(service: GrammarCompileService) -> None:
+        hostile = StructuredOutputParams(json_schema=nested_any_of(10), check=False)
+        with pytest.raises(ValueError, match="too complex") as first:
+            await service.prepare(hostile, tenant="A")
+        assert service._worker.pending == {"A": 1} and service._worker.restarts == 1
+        again = StructuredOutputParams(json_schema=nested_any_of(10), check=False)
+        with pytest.raises(ValueError, match="too complex") as second:
+            await service.prepare(again, tenant="B")
+        assert str(second.value) == str(first.value) and service._worker.restarts == 1
+        params = StructuredOutputParams(json_schema=SCHEMA)
+        await service.prepare(params, tenant="B")
+        assert params.compiled is not None
+
+    service = GrammarCompileService(fetch, timeout_s=1.0)
+    try:
+        asyncio.run(main(service))
+    finally:
+        service.close()

@@ -82,3 +82,16 @@ def test_small_prompts_stay_inline_and_many_small_parts_count_as_large():
     assert not is_large(["x" * 100, {"role": "user"}])
     assert is_large("x" * (INLINE_MAX_CHARS + 1))
     assert is_large([{"a": ""}] * 1_000_000)  # decided after a few hundred of them
+
+
+def test_the_loop_runs_while_a_long_detokenize_is_decoded():
+    """/detokenize of a million ids took about a second of a busy replica's loop (issue #62, item 2)."""
+    from raylane.deployments.protocol.tokenization_schemas import DetokenizeRequest
+    from raylane.models.demo import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    serving = OpenAIServingTokenization(tokenizer, "chat", 1 << 20)
+    ids = tokenizer.encode(HUGE, add_special_tokens=False) * 8
+    req = DetokenizeRequest(model="chat", tokens=ids)
+    ticks, body = asyncio.run(ticks_while(tokenize_off_loop(lambda: serving.detokenize(req), req)))
+    assert json.loads(body)["prompt"] == tokenizer.decode(ids) and ticks > 10
