@@ -131,6 +131,21 @@ class OutputWriter:
         self.store.forget_lines(batch_id, last)
         return Page(total, written)
 
+    def discard(self, batch_id: str) -> int:
+        """Drop what a batch that failed while ending had written (files without a row yet: their
+        rows are made last); the bytes dropped."""
+        state = self.store.output_state(batch_id)
+        if state is None:
+            return 0
+        owner, _ = self.store.owner_of(batch_id)
+        dropped = 0
+        for _, kind in KINDS:
+            if self.store.file(state["files"][kind], owner) is None:
+                self.store.path_of(state["files"][kind]).unlink(missing_ok=True)
+                dropped += state["bytes"][kind]
+        self.store.forget_output_state(batch_id)
+        return dropped
+
     def _end(self, batch: dict[str, Any], owner: str, state: dict[str, Any]) -> int:
         """The files' rows, then the batch's final status, then the progress record; how many of
         its two files were empty, and so not made (their places in the key's quota go back)."""

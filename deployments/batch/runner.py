@@ -2,10 +2,8 @@
 `batch` tier while a window of lines in flight allows, each result recorded once (within the key's
 quota and the per-line cap), then the output written (deployments/batch/output.py).
 
-How many lines are in flight, over all batches, is a window that grows by one line per window of
-lines answered while no other tier used the pool, and halves as soon as a line finds interactive
-requests on it or is turned away (additive increase, multiplicative decrease, as TCP does with a
-network): batches fill what is idle and step back at once when interactive traffic comes.
+How many lines are in flight, over all batches, is a window (window.py): batches fill what is idle
+and step back at once when interactive traffic comes.
 
 A batch stops early, at its next line, when its key may no longer run it (the key is gone from the
 config or its Secret, or its tier no longer allows batches: cancelled, with the lines done so far
@@ -38,6 +36,7 @@ from raylane.deployments.batch.lines import (
 from raylane.deployments.batch.output import OutputWriter
 from raylane.deployments.batch.quota import OUTPUT_FILES, QuotaError, StorageQuota
 from raylane.deployments.batch.store import BatchStore
+from raylane.deployments.batch.window import Window
 from raylane.deployments.metrics.batch import BatchMetrics
 from raylane.deployments.protocol.batch_answers import (
     BUDGET_EXCEEDED,
@@ -48,39 +47,6 @@ from raylane.deployments.protocol.batch_answers import (
 
 logger = logging.getLogger(__name__)
 RETRY_S = (1.0, 30.0)  # a line turned away for load waits this long (doubling) before its next try
-
-
-class Window:
-    """How many lines may be in flight: additive increase while pools are idle, halved when busy;
-    and after a line that found other tiers on its pool, no new line for as long as it took (while
-    interactive traffic lasts, batches hold a slot at most half the time)."""
-
-    def __init__(self, limit: int) -> None:
-        self.max, self.size, self.in_flight = limit, 1.0, 0
-        self.resume_at = 0.0  # monotonic time before which no line starts
-        self._changed = asyncio.Condition()
-
-    async def acquire(self) -> None:
-        while True:
-            async with self._changed:
-                await self._changed.wait_for(lambda: self.in_flight < int(self.size))
-                pause = self.resume_at - time.monotonic()
-                if pause <= 0:
-                    self.in_flight += 1
-                    return
-            await asyncio.sleep(pause)
-
-    async def release(self, idle: bool | None, held_s: float = 0.0) -> None:
-        """`idle`: the pool served nobody else (grow), was busy or refused (shrink and pause for
-        `held_s`, the time the line took), None: unknown."""
-        async with self._changed:
-            self.in_flight -= 1
-            if idle is True:
-                self.size = min(self.max, self.size + 1 / int(self.size))
-            elif idle is False:
-                self.size = max(1.0, self.size / 2)
-                self.resume_at = max(self.resume_at, time.monotonic() + held_s)
-            self._changed.notify_all()
 
 
 class StopBatch(Exception):
@@ -133,10 +99,7 @@ class BatchRunner:
             return
         refs = read.lines
         del read  # the rest of what was read goes; the index stays for the run
-        try:
-            await self._run_lines(batch, key_id, path, refs)
-        except StopBatch as stop:
-            self.stopped[batch_id] = stop
+        await self._run_lines(batch, key_id, path, refs)
         stop = self.stopped.get(batch_id)
         if stop is not None and stop.ending == "failed":
             self._fail(batch_id, stop.error)
@@ -274,12 +237,14 @@ class BatchRunner:
             self.quota.release(owner, 0, size)
 
     def _fail(self, batch_id: str, error: dict | None, batch: dict | None = None) -> None:
-        """End a batch as failed: its results dropped, its output files' places in the quota freed."""
+        """End a batch as failed: its results (and any output written) dropped, its output files'
+        places in the quota freed."""
         batch = batch or self.store.batch(batch_id)
         if error is not None:
             batch["errors"] = {"object": "list", "data": [error]}
         owner, _ = self.store.owner_of(batch_id)
-        self.quota.release(owner, OUTPUT_FILES, self.store.line_bytes(batch_id))
+        written = self.writer.discard(batch_id)
+        self.quota.release(owner, OUTPUT_FILES, self.store.line_bytes(batch_id) + written)
         self.store.forget_lines(batch_id)
         self.store.set_status(batch, "failed")
 

@@ -425,3 +425,32 @@ async def test_a_keys_second_upload_while_its_first_is_under_way_is_a_429_with_r
     assert "batch.max_concurrent_uploads_per_key" in second.json()["error"]["message"]
     assert first.status_code == 200 and first.json()["bytes"] == 6 * len(line), first.text
     assert again.status_code == 200, again.text
+
+
+def test_a_line_of_a_key_no_longer_allowed_batches_is_refused_with_the_code_that_stops_its_batch(
+    router_server,
+):
+    """What the batch actor hears for a line whose key is gone from the config (or its Secret), or
+    whose tier does not allow batches: a 403 with a code that stops the batch at that line."""
+    import hashlib
+
+    from ray import serve
+
+    gateway = serve.get_deployment_handle("Gateway", ROUTER_APP)
+    body = json.dumps(chat_line("x", "Hi", max_tokens=1)["body"]).encode()
+
+    def line_for(key_id: str) -> tuple[int, dict]:
+        status, text, _ = gateway.run_batch_line.remote(key_id, "/v1/chat/completions", body).result(
+            timeout_s=60
+        )
+        return status, json.loads(text)
+
+    def key_id(key: str) -> str:
+        return f"key-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+    status, answer = line_for("key-000000000000")  # no such key (any more)
+    assert (status, answer["error"]["code"]) == (403, "api_key_revoked")
+    status, answer = line_for(key_id(ROUTER_KEYS["free"]))
+    assert (status, answer["error"]["code"]) == (403, "batches_not_allowed")
+    status, answer = line_for(key_id(ROUTER_KEYS["standard"]))
+    assert status == 200 and answer["choices"], answer

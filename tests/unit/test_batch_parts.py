@@ -7,8 +7,8 @@ import json
 import pytest
 
 from raylane.deployments.batch.lines import LineCaps, error_line, read_input, record_text
-from raylane.deployments.batch.runner import Window
 from raylane.deployments.batch.store import BatchStore
+from raylane.deployments.batch.window import Window
 from tests.postgresql_server import postgresql_url  # noqa: F401  (a fixture)
 
 CHAT = "/v1/chat/completions"
