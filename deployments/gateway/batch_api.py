@@ -16,6 +16,7 @@ did not exist.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,7 +26,7 @@ from starlette.responses import StreamingResponse
 from raylane.config import ClusterConfig
 from raylane.deployments.gateway.request_body import body_too_large, parse_bytes
 from raylane.deployments.gateway.responses_api import owner as response_owner
-from raylane.deployments.gateway.upload_form import FormReader, boundary_of
+from raylane.deployments.gateway.upload_form import FILE_CHUNK, FormReader, boundary_of
 from raylane.deployments.protocol.batch_schemas import BatchCreateRequest
 from raylane.deployments.protocol.errors import OpenAIError, client_error, invalid, unavailable
 from raylane.router import Principal
@@ -33,6 +34,7 @@ from raylane.router import Principal
 logger = logging.getLogger(__name__)
 FORM_OVERHEAD = 64 * 1024  # bytes of a multipart body beyond the file (boundaries, headers, fields)
 CONTENT_PAGE = 2**20  # bytes of a file's content asked of the actor at once
+KEEPALIVE_S = 30.0  # a slow upload's bytes go to the actor at least this often (it drops silent ones)
 
 
 def owner(principal: Principal) -> str:
@@ -104,15 +106,19 @@ class BatchApi:
             raise
 
     async def _stream_file(self, request: Request, reader: FormReader, upload_id: str, limit: int) -> None:
-        """Read the body, handing the file's bytes to the actor as they come (one chunk in memory)."""
-        read = 0
+        """Read the body, handing the file's bytes to the actor as they come (one chunk in memory;
+        a slow client's bytes at least every `KEEPALIVE_S`, so the actor never takes a live upload
+        for an abandoned one)."""
+        read, sent_at = 0, time.monotonic()
         async for chunk in request.stream():
             read += len(chunk)
             if read > limit:  # chunked (or lying about its length): stop reading here
                 raise body_too_large(limit)
             reader.write(chunk)
-            if (data := reader.take()) is not None:
+            due = time.monotonic() - sent_at > KEEPALIVE_S
+            if (data := reader.take(at_least=1 if due else FILE_CHUNK)) is not None:
                 await self.call("upload_chunk", upload_id, data)
+                sent_at = time.monotonic()
         reader.finalize()
         if (data := reader.take(at_least=1)) is not None:
             await self.call("upload_chunk", upload_id, data)
