@@ -30,7 +30,7 @@ from raylane.deployments.batch.lines import LineCaps
 from raylane.deployments.batch.quota import OUTPUT_FILES, QuotaError, StorageQuota
 from raylane.deployments.batch.runner import BatchRunner
 from raylane.deployments.batch.store import BatchStore, is_postgresql, now
-from raylane.deployments.batch.uploads import Uploads, quota_error
+from raylane.deployments.batch.uploads import Uploads, quota_error, upload_prefix
 from raylane.deployments.detached import detached_actor
 from raylane.deployments.metrics.batch import BatchMetrics, batch_reporter
 from raylane.deployments.protocol.errors import OpenAIError
@@ -54,7 +54,7 @@ class BatchService:
         self.app_name, self.max_body_bytes = app_name, max_body_bytes
         self.config = BatchConfig.model_validate(config)
         self.store = BatchStore(*store_location(app_name, self.config), app_name)
-        for left in self.store.files_dir.glob(".upload-*"):  # uploads an earlier actor had under way
+        for left in self.store.files_dir.glob(f"{upload_prefix(app_name)}*"):  # an earlier actor's uploads
             left.unlink(missing_ok=True)
         self.quota = StorageQuota(self.store, self.config.max_files_per_key, self.config.max_bytes_per_key)
         max_file = self.config.max_file_bytes

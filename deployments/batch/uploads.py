@@ -63,7 +63,7 @@ class Uploads:
         except QuotaError as e:
             raise quota_error(e) from None
         upload_id = uuid.uuid4().hex
-        path = self.store.files_dir / f".upload-{upload_id}"
+        path = self.store.files_dir / f"{upload_prefix(self.store.app)}{upload_id}"
         self._uploads[upload_id] = Upload(owner, key_id, path, reserved)
         return upload_id
 
@@ -139,6 +139,11 @@ class Uploads:
                 code="upload_expired",
             )
         return upload
+
+
+def upload_prefix(app: str) -> str:
+    """How an app's uploads under way are named in the files' directory (apps may share it)."""
+    return f".upload-{app}-"
 
 
 def _append(path: Path, chunk: bytes) -> None:

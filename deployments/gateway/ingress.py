@@ -219,7 +219,6 @@ class Gateway:
         self.config_digest: str | None = None
         self._reconfiguring = asyncio.Lock()
         self.batch_api = BatchApi(context.app_name, self.config)
-        self.batch_tier = batch_tier(list(self.config.tiers), self.config.batch)
         if self.config.batch.enabled and may_hold_batches(context.app_name, self.config.batch):
             self.batch_api.start()  # batches an earlier run left are taken up now
 
@@ -270,7 +269,6 @@ class Gateway:
         if self.grammar_worker is not None:  # each call reads the bound: the same worker takes it
             self.grammar_worker.timeout_s = config.gateway.grammar_check_timeout_s
         self.config = self.dispatcher.config = self.batch_api.config = config
-        self.batch_tier = batch_tier(list(config.tiers), config.batch)
 
     # -- endpoints --------------------------------------------------------------------------------
 
