@@ -69,7 +69,8 @@ def pool_config(model: str, concurrency: int, store: Path) -> ClusterConfig:
             "batch": {"store": str(store / "batch.sqlite3"), "files_dir": str(store / "files"),
                       "max_concurrency": concurrency},
             "tiers": [
-                {"name": "interactive", "priority": 0, "max_queue_depth": 256, "max_queue_wait_s": 600}
+                {"name": "interactive", "priority": 0, "max_queue_depth": 256, "max_queue_wait_s": 600,
+                 "batches": True}
             ],
             "api_keys": {"default_tier": "interactive"},
         }

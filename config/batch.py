@@ -35,6 +35,37 @@ class BatchConfig(StrictModel):
     max_active_batches_per_key: int = Field(
         8, ge=1, description="batches of one API key validating, running or finalizing at once"
     )
+    max_active_batches: int = Field(
+        64,
+        ge=1,
+        description="batches of all keys validating, running or finalizing at once (each holds its "
+        "input's line index in the batch actor's memory); creating one past it is a 429",
+    )
+    max_bytes_per_key: int = Field(
+        2 * 2**30,
+        ge=1,
+        description="bytes one API key may keep in the batch store: its files (uploads, outputs and "
+        "error files) and the line results of its running batches. An upload past it is a 429; a batch "
+        "whose results would pass it fails (`storage_quota_exceeded`), its results dropped",
+    )
+    max_line_result_bytes: int = Field(
+        4 * 2**20,
+        ge=1024,
+        description="largest response body of one batch line (a 2,048-input embeddings line makes ~16 "
+        "MiB): a larger one is that line's error (`line_result_too_large`), the batch goes on",
+    )
+    max_line_n: int = Field(
+        8, ge=1, description="most choices (`n`, times its prompts for completions) a batch line may ask for"
+    )
+    max_line_tokens: int = Field(
+        4096,
+        ge=1,
+        description="most tokens a batch line may ask to generate (`max_tokens`, "
+        "`max_completion_tokens`, `max_output_tokens`); a line asking more is an error line",
+    )
+    max_concurrent_uploads_per_key: int = Field(
+        2, ge=1, description="uploads to /v1/files one API key may have in progress at once (429 past it)"
+    )
     max_concurrency: int = Field(
         8, ge=1, description="lines of all batches in flight at once, reached only while pools are idle"
     )
@@ -82,10 +113,14 @@ def _has_password(url: str) -> bool:
     return parts.password is not None or "password" in {k.lower() for k in parse_qs(parts.query)}
 
 
-def batch_tier(tiers: list[TierConfig], config: BatchConfig) -> TierConfig:
+def batch_tier(
+    tiers: list[TierConfig], config: BatchConfig, key_tier: TierConfig | None = None
+) -> TierConfig:
     """The tier batch lines run as: served after every configured tier (in the admission queue and
-    in the engine), the first shed when a pool's queue is full, never holding more than
-    `max_pool_share` of a pool; no rate limits (a batch is bounded by its file and the window)."""
+    in the engine, which preempts them for any of those), the first shed when a pool's queue is
+    full, never holding more than `max_pool_share` of a pool's sequences. Its tokens/min are those
+    of `key_tier` (the tier of the key that made the batch: `batch_tokens_per_minute`), charged to a
+    bucket of their own, apart from the key's interactive requests."""
     return TierConfig(
         name=BATCH_TIER,
         priority=max(t.priority for t in tiers) + 1,
@@ -93,4 +128,5 @@ def batch_tier(tiers: list[TierConfig], config: BatchConfig) -> TierConfig:
         max_queue_wait_s=30.0,
         sheddable=True,
         max_pool_share=config.max_pool_share,
+        tokens_per_minute=key_tier.batch_tokens_per_minute if key_tier is not None else None,
     )

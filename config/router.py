@@ -249,11 +249,23 @@ class TierConfig(StrictModel):
         description="keys of this tier may load and unload LoRA adapters at run time "
         "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter)",
     )
+    batches: bool = Field(
+        False,
+        description="keys of this tier may upload files and run batches (/v1/files, /v1/batches); "
+        "off: a 403. Batch lines then run as the `batch` tier, below every tier",
+    )
+    batch_tokens_per_minute: int | None = Field(
+        None,
+        ge=1,
+        description="prompt + generated tokens per minute of one key's batch lines (a bucket apart from "
+        "its interactive `tokens_per_minute`, charged and settled the same way): a line past it waits "
+        "for it; null = unlimited",
+    )
 
 
 def default_tiers() -> list[TierConfig]:
     return [
-        TierConfig(name="premium", priority=0, max_queue_depth=256, max_queue_wait_s=30.0),
+        TierConfig(name="premium", priority=0, max_queue_depth=256, max_queue_wait_s=30.0, batches=True),
         TierConfig(
             name="standard",
             priority=1,
@@ -261,6 +273,8 @@ def default_tiers() -> list[TierConfig]:
             tokens_per_minute=200_000,
             max_queue_depth=128,
             max_queue_wait_s=10.0,
+            batches=True,
+            batch_tokens_per_minute=200_000,
         ),
         TierConfig(
             name="free",
@@ -289,7 +303,9 @@ def open_tier() -> TierConfig:
     """Open mode's tier unless `api_keys.default_tier` names one: no rate limits, and requests wait
     for a pool (up to its own `max_waiting`) rather than being turned away, as vLLM's server queues
     them: a benchmark or an eval tool run against a local server gets answers, not floods of 429."""
-    return TierConfig(name="open", priority=1, max_queue_depth=1_000_000, max_queue_wait_s=600.0)
+    return TierConfig(
+        name="open", priority=1, max_queue_depth=1_000_000, max_queue_wait_s=600.0, batches=True
+    )
 
 
 def _check_tiers(tiers: list[TierConfig]) -> list[TierConfig]:

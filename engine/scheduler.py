@@ -4,7 +4,10 @@ Each step spends a token budget: running requests first (a decode costs one toke
 with k speculative draft tokens to verify, an unfinished prefill its next chunk), then waiting
 requests in order of service, their prompts chunked to what is left of the budget.
 When KV blocks run out, a running request is preempted: its blocks are freed and it is
-recomputed later (its prefix usually comes back from the prefix cache).
+recomputed later (its prefix usually comes back from the prefix cache). A waiting request that
+finds no free slot (`max_num_seqs`) or too few blocks preempts a running request of a lower
+priority (vLLM's priority scheduling): a batch line gives its place to an interactive request at
+once, instead of holding it until it finishes.
 
 Order of service: priority first (lower first, as in vLLM). Within a priority, requests carry a
 `tenant` (the API key that sent them): the waiting request of the tenant with the fewest requests
@@ -190,16 +193,26 @@ class Scheduler:
         return budget
 
     def _admit(self, out: SchedulerOutput, budget: int, no_slot: list[Request]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             request = self.waiting.peek()
             if self.lora_slots is not None and not self.lora_slots.can_pin(request.lora):
                 no_slot.append(self.waiting.pop())
                 continue
+            if len(self.running) >= self.max_num_seqs:
+                freed = self._preempt_for(request, out)
+                if freed is None:
+                    break
+                budget += freed
+                continue  # the queue's order may have changed with the victim's tenant: look again
             computed = self.block_manager.get_computed_blocks(request)
             num_cached = len(computed) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.block_manager.allocate_slots(request, num_new, computed):
-                break  # strict order: a lower-priority request never overtakes one that does not fit
+                freed = self._preempt_for(request, out)
+                if freed is None:
+                    break  # strict order: a lower-priority request never overtakes one that does not fit
+                budget += freed
+                continue
             self.waiting.pop()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
@@ -210,6 +223,21 @@ class Scheduler:
             out.num_new_tokens.append(num_new)
             budget -= num_new
         return budget
+
+    def _preempt_for(self, request: Request, out: SchedulerOutput) -> int | None:
+        """Make room for waiting `request` by preempting one running request of a lower priority
+        (a higher number), chosen in preemption order, as vLLM's priority policy does: a batch line
+        never holds a slot or blocks that an interactive request is waiting for. The tokens the
+        victim had been given this step (back to the budget), or None when none runs below it."""
+        lower = [r for r in self.running if r.priority > request.priority]
+        if not lower:
+            return None
+        victim = max(lower, key=self._preemption_order)
+        freed = 0
+        if victim in out.requests:
+            freed = out.num_new_tokens[out.requests.index(victim)]
+        self._preempt(victim, out)
+        return freed
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Remove a request (finished or aborted) wherever it is, and free its blocks at once."""

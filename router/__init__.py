@@ -124,6 +124,10 @@ class Router:
         """The caller's tier from its API key; AuthenticationError (401) when keys are required."""
         return self.authenticator.authenticate(headers, client)
 
+    def tier_of_key(self, key_id: str) -> TierConfig | None:
+        """The tier of the API key with id `key_id` now; None once the key is gone."""
+        return self.authenticator.tier_of(key_id)
+
     def resolve(self, model: str, messages: list[dict]) -> Resolution:
         """Route and candidate pools for `model` (pool name, served model id, `auto`/`raylane-auto`).
         Classifying takes milliseconds of CPU: from async code prefer `resolve_async`."""
@@ -141,9 +145,12 @@ class Router:
         *,
         prompt_tokens: int | None = None,
         charge: RateCharge | None = None,
+        sequences: int = 1,
     ) -> DispatchPlan:
         """Prepare the walk down the candidate pools. Without `charge` (the rate limit charged
-        earlier by `check_rate`), charge it now (RateLimitError, 429); with one, nothing twice."""
+        earlier by `check_rate`), charge it now (RateLimitError, 429); with one, nothing twice.
+        `sequences`: what the request runs in the engine (n x prompts), counted against its tier's
+        `max_pool_share`."""
         if charge is None:
             charge = self.rate_limiter.check(principal.key_id, principal.tier, prompt_tokens or 0)
         chain = FallbackChain(
@@ -162,6 +169,7 @@ class Router:
             deadline,
             charge,
             self.config.overflow,
+            sequences=sequences,
         )
 
     def check_rate(self, principal: Principal, tokens: int = 0) -> RateCharge:

@@ -12,8 +12,10 @@ So overload never grows memory: at most sum(max_waiting) requests wait anywhere.
 
 A tier with `max_pool_share` < 1 holds at most that share of a pool's slots at once, so a flood of
 its requests leaves the rest free for other tiers: premium traffic then gets a slot at once instead
-of waiting for a sheddable request to finish. A waiter held back by its share lets the ones behind
-it pass.
+of waiting for a sheddable request to finish. The share is counted in sequences (a request's n x
+prompts, at most the whole share), not requests: a batch line with `n: 8` takes eight of the batch
+tier's places, as it takes eight of the engine's `max_num_seqs`. A waiter held back by its share
+lets the ones behind it pass.
 
 Within a tier, slots are shared fairly between API keys, and the sharing is work-conserving (as in
 llm-d's flow control and vLLM's scheduler, which never idle capacity that a request could use): a
@@ -62,6 +64,7 @@ class _Waiter:
     tier: TierConfig = field(compare=False)
     future: asyncio.Future = field(compare=False)
     key: str = field(default="", compare=False)  # the API key's id: slots are shared fairly by key
+    sequences: int = field(default=1, compare=False)  # counted against its tier's share
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +80,7 @@ class _Pool:
     max_waiting: int
     in_flight: int = 0
     by_tier: dict[str, int] = field(default_factory=dict)  # slots held per tier name
+    seqs_by_tier: dict[str, int] = field(default_factory=dict)  # sequences they hold (the share's unit)
     by_key: dict[str, int] = field(default_factory=dict)  # slots held per key id (none held: absent)
     # per key id with requests here: the grant count when it last got a slot (keys take turns)
     last_grant: dict[str, int] = field(default_factory=dict)
@@ -92,9 +96,16 @@ class Ticket:
     """A held slot in a pool; `release()` frees it (idempotent)."""
 
     def __init__(
-        self, controller: "AdmissionController", pool: str, tier: TierConfig, waited_s: float, key: str = ""
+        self,
+        controller: "AdmissionController",
+        pool: str,
+        tier: TierConfig,
+        waited_s: float,
+        key: str = "",
+        sequences: int = 1,
     ):
         self.pool, self.tier, self.waited_s, self.key = pool, tier, waited_s, key
+        self.sequences = sequences  # as counted when it was taken
         self._controller = controller
         self._granted_at = controller.clock()
         self.released = False
@@ -102,9 +113,8 @@ class Ticket:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self._controller._release(
-                self.pool, self.tier, self._controller.clock() - self._granted_at, key=self.key
-            )
+            held_s = self._controller.clock() - self._granted_at
+            self._controller._release(self.pool, self.tier, held_s, key=self.key, sequences=self.sequences)
 
 
 class AdmissionController:
@@ -139,31 +149,32 @@ class AdmissionController:
         """Requests of `key` holding or waiting for a slot, in all pools."""
         return self._by_key.get(key, 0)
 
-    def try_acquire(self, pool: str, tier: TierConfig, key: str = "") -> Ticket | None:
-        """A slot now if the tier may take one, else None. (After every release the waiters that may
-        take a slot have one, so a free slot here is not owed to anybody waiting.)"""
+    def try_acquire(self, pool: str, tier: TierConfig, key: str = "", sequences: int = 1) -> Ticket | None:
+        """A slot now if the tier may take one (and `sequences` more of its share), else None. (After
+        every release the waiters that may take a slot have one, so a free slot here is not owed to
+        anybody waiting.)"""
         self.check_key_cap(tier, key, pool)
         p = self._pools[pool]
-        if self._may_take(p, tier):
-            self._take(p, tier, key)
+        if self._may_take(p, tier, sequences):
+            counted = self._take(p, tier, key, sequences)
             self._count_key(key, +1)
-            return Ticket(self, pool, tier, 0.0, key)
+            return Ticket(self, pool, tier, 0.0, key, counted)
         return None
 
     async def acquire(
-        self, pool: str, tier: TierConfig, timeout: float | None = None, key: str = ""
+        self, pool: str, tier: TierConfig, timeout: float | None = None, key: str = "", sequences: int = 1
     ) -> Ticket:
         """A slot in `pool` for a request of API key `key`, waiting in (priority, fewest slots held by
         its key, arrival) order for at most the tier's wait budget (or `timeout`, if shorter). Raises
         OverloadedError with retry_after when it cannot, KeyConcurrencyError past the key's cap."""
-        ticket = self.try_acquire(pool, tier, key)
+        ticket = self.try_acquire(pool, tier, key, sequences)
         if ticket is not None:
             return ticket
         p = self._pools[pool]
         budget = tier.max_queue_wait_s if timeout is None else min(timeout, tier.max_queue_wait_s)
         self._check_can_wait(pool, p, tier, budget, key)
         waiter = _Waiter(
-            tier.priority, next(self._seq), tier, asyncio.get_running_loop().create_future(), key
+            tier.priority, next(self._seq), tier, asyncio.get_running_loop().create_future(), key, sequences
         )
         heapq.heappush(p.waiters, waiter)
         self._count_key(key, +1)
@@ -179,11 +190,11 @@ class AdmissionController:
             ) from None
         except asyncio.CancelledError:
             if _granted(waiter.future):  # the slot came as the caller went away: give it back
-                self._release(pool, tier, 0.0, learn=False, key=key)
+                self._release(pool, tier, 0.0, learn=False, key=key, sequences=waiter.future.result())
             else:
                 self._leave_queue(p, waiter)
             raise
-        return Ticket(self, pool, tier, self.clock() - start, key)
+        return Ticket(self, pool, tier, self.clock() - start, key, waiter.future.result())
 
     def estimated_wait(self, pool: str, tier: TierConfig, returning: int = 0, key: str = "") -> float:
         """Seconds a new request of `tier` (and key `key`) would wait for `pool`, from the queue ahead
@@ -202,7 +213,7 @@ class AdmissionController:
         own = same.pop(key, 0)
         ahead += own + sum(min(n, own + 1) for n in same.values())
         slots, service = p.capacity, None  # the pool is full: any holder's slot will do
-        if p.by_tier.get(tier.name, 0) >= _share(p, tier):  # only its own requests' slots will do
+        if p.seqs_by_tier.get(tier.name, 0) >= _share(p, tier):  # only its own requests' slots will do
             slots, service = _share(p, tier), p.tier_service_s.get(tier.name)
         rounds = ahead // max(slots, 1) + 1  # slots free up `slots` at a time
         return rounds * (service or p.service_s or 1.0)
@@ -302,19 +313,34 @@ class AdmissionController:
         )
 
     @staticmethod
-    def _may_take(p: _Pool, tier: TierConfig) -> bool:
-        return p.in_flight < p.capacity and p.by_tier.get(tier.name, 0) < _share(p, tier)
+    def _may_take(p: _Pool, tier: TierConfig, sequences: int = 1) -> bool:
+        share = _share(p, tier)
+        held = p.seqs_by_tier.get(tier.name, 0)
+        return p.in_flight < p.capacity and held + min(sequences, share) <= share
 
     @staticmethod
-    def _take(p: _Pool, tier: TierConfig, key: str) -> None:
+    def _take(p: _Pool, tier: TierConfig, key: str, sequences: int = 1) -> int:
+        """Take a slot; the sequences counted against the tier's share (release the same)."""
+        counted = min(sequences, _share(p, tier))  # a request larger than the share runs alone in it
         p.in_flight += 1
         p.by_tier[tier.name] = p.by_tier.get(tier.name, 0) + 1
+        p.seqs_by_tier[tier.name] = p.seqs_by_tier.get(tier.name, 0) + counted
         p.by_key[key] = p.by_key.get(key, 0) + 1
+        return counted
 
-    def _release(self, pool: str, tier: TierConfig, held_s: float, learn: bool = True, key: str = "") -> None:
+    def _release(
+        self,
+        pool: str,
+        tier: TierConfig,
+        held_s: float,
+        learn: bool = True,
+        key: str = "",
+        sequences: int = 1,
+    ) -> None:
         p = self._pools[pool]
         p.in_flight -= 1
         p.by_tier[tier.name] -= 1
+        p.seqs_by_tier[tier.name] -= sequences
         p.by_key[key] -= 1
         if not p.by_key[key]:
             del p.by_key[key]
@@ -332,7 +358,7 @@ class AdmissionController:
             return
         kept = list(p.waiters)  # a done one (timed out or cancelled) is removed by its own task
         while p.in_flight < p.capacity:
-            eligible = [w for w in kept if not w.future.done() and self._may_take(p, w.tier)]
+            eligible = [w for w in kept if not w.future.done() and self._may_take(p, w.tier, w.sequences)]
             if not eligible:
                 break
             waiter = min(
@@ -340,10 +366,10 @@ class AdmissionController:
                 key=lambda w: (w.priority, p.by_key.get(w.key, 0), p.last_grant.get(w.key, -1), w.seq),
             )
             kept.remove(waiter)
-            self._take(p, waiter.tier, waiter.key)
+            counted = self._take(p, waiter.tier, waiter.key, waiter.sequences)
             p.grants += 1
             p.last_grant[waiter.key] = p.grants
-            waiter.future.set_result(None)
+            waiter.future.set_result(counted)  # the sequences its ticket gives back
         kept.sort()
         p.waiters = kept  # sorted, hence a heap
         if len(p.last_grant) > len(p.by_key) + len(kept):  # keys gone quiet: a fresh start next time

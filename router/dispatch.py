@@ -96,6 +96,7 @@ class DispatchPlan:
     deadline: float  # admission clock time by which a slot must be held
     charge: RateCharge  # the rate limit's up-front charge: settle it with the tokens used
     overflow: bool = False  # a saturated pool hands the request to the next one (else 429)
+    sequences: int = 1  # n x prompts: what counts against the tier's share of a pool
     pool: str | None = None  # the pool of the latest slot
     _overloads: list[OverloadedError] = field(default_factory=list)
 
@@ -111,7 +112,7 @@ class DispatchPlan:
             try:
                 remaining = max(0.0, self.deadline - self.admission.clock())
                 ticket = await self.admission.acquire(
-                    pool, tier, timeout=remaining, key=self.principal.key_id
+                    pool, tier, timeout=remaining, key=self.principal.key_id, sequences=self.sequences
                 )
             except OverloadedError as e:
                 self.breakers[pool].release_probe()

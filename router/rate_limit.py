@@ -121,24 +121,13 @@ class RateLimiter:
         """New limits for the tiers (a live config change): each key keeps what it has spent this
         minute, measured against the new allowance; a limit removed drops its bucket, one added
         starts full (the next request creates it)."""
-        limits = {t.name: {"requests": t.requests_per_minute, "tokens": t.tokens_per_minute} for t in tiers}
+        by_name = {t.name: t for t in tiers}
         now = self._clock()
         for (key_id, tier), buckets in list(self._buckets.items()):
-            new = limits.get(tier)
-            if new is None:  # the tier is gone: its keys now belong to another
+            if tier not in by_name:  # the tier is gone: its keys now belong to another
                 del self._buckets[(key_id, tier)]
                 continue
-            for name, limit in new.items():
-                bucket = buckets.get(name)
-                if not limit:
-                    buckets.pop(name, None)
-                elif bucket is None:
-                    buckets[name] = TokenBucket.per_minute(limit, now)
-                elif bucket.capacity != limit:
-                    bucket.refill(now)
-                    spent = bucket.capacity - bucket.level
-                    bucket.capacity, bucket.per_second = float(limit), limit / 60.0
-                    bucket.level = float(limit) - spent
+            _set_limits(buckets, _limits(by_name[tier]), now)
 
     @staticmethod
     def _raise_if_limited(tier: TierConfig, waits: dict[str, float]) -> None:
@@ -165,4 +154,32 @@ class RateLimiter:
         self._buckets.move_to_end((key_id, tier.name))
         for bucket in entry.values():
             bucket.refill(now)
+        # A tier made per key (the batch tier carries its key's tier's batch budget): its limits
+        # follow the tier the key has now.
+        limits = _limits(tier)
+        if any(
+            (entry[name].capacity if name in entry else None) != (limit or None)
+            for name, limit in limits.items()
+        ):
+            _set_limits(entry, limits, now)
         return entry
+
+
+def _limits(tier: TierConfig) -> dict[str, int | None]:
+    return {"requests": tier.requests_per_minute, "tokens": tier.tokens_per_minute}
+
+
+def _set_limits(buckets: dict[str, TokenBucket], limits: dict[str, int | None], now: float) -> None:
+    """New allowances for one key's buckets, keeping what it has spent this minute; a limit removed
+    drops its bucket, one added starts full."""
+    for name, limit in limits.items():
+        bucket = buckets.get(name)
+        if not limit:
+            buckets.pop(name, None)
+        elif bucket is None:
+            buckets[name] = TokenBucket.per_minute(limit, now)
+        elif bucket.capacity != limit:
+            bucket.refill(now)
+            spent = bucket.capacity - bucket.level
+            bucket.capacity, bucket.per_second = float(limit), limit / 60.0
+            bucket.level = float(limit) - spent

@@ -97,6 +97,17 @@ class ApiKeyAuthenticator:
             raise AuthenticationError("invalid API key")
         return Principal(f"key-{digest.hex()[:12]}", self._tiers[tier])
 
+    def tier_of(self, key_id: str) -> TierConfig | None:
+        """The tier of the key `authenticate` names `key_id`; None when no key has it now (it was
+        taken out of the config or its Secret: what a key started, such as a batch, stops)."""
+        if self.open_mode:
+            return self.open_tier if key_id.startswith("anonymous") else None
+        self._maybe_reload()
+        for digest, tier in self._keys.items():
+            if f"key-{digest.hex()[:12]}" == key_id:
+                return self._tiers[tier]
+        return None
+
     def _load_all(self) -> dict[bytes, str]:
         names = list(self._tiers)
         keys = {_config_digest(k.get_secret_value()): tier for k, tier in self._config.keys.items()}

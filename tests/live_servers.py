@@ -143,8 +143,8 @@ class RouterServer:
 def make_router_config(demo_models: dict, port: int):
     """Three pools of the demo Llama: `coding` (falls back to chat), `reasoning` with a 64-token
     context (falls back to chat) and `chat` (one request at a time, no fallback); four keyed tiers,
-    `free` sheddable with no queue, `limited` one request a minute; a circuit breaker that opens
-    after 2 failures for 2 s."""
+    `free` sheddable with no queue (and no batches), `limited` one request a minute; a circuit breaker
+    that opens after 2 failures for 2 s."""
     from raylane.config import ClusterConfig, default_routes
 
     llama = str(demo_models["raylane-llama-tiny"])
@@ -163,6 +163,7 @@ def make_router_config(demo_models: dict, port: int):
                 "store": f"{batch_dir}/batch.sqlite3",
                 "files_dir": f"{batch_dir}/files",
                 "line_timeout_s": 5,  # test_batch_api's held line (its lines here take under a second)
+                "max_concurrent_uploads_per_key": 1,  # test_batch_api's parallel uploads
             },
             "pools": [
                 {"name": "coding", "model": llama, "engine": engine, "max_in_flight": 2},
@@ -171,8 +172,8 @@ def make_router_config(demo_models: dict, port: int):
             ],
             "router": {"routes": routes, "circuit_breaker": {"failure_threshold": 2, "cooldown_s": 2.0}},
             "tiers": [
-                {"name": "premium", "priority": 0, "admin": True, **wait},
-                {"name": "standard", "priority": 1, **wait},
+                {"name": "premium", "priority": 0, "admin": True, "batches": True, **wait},
+                {"name": "standard", "priority": 1, "batches": True, **wait},
                 free,
                 {"name": "limited", "priority": 1, "requests_per_minute": 1, **wait},
             ],

@@ -1,121 +1,55 @@
-"""The Batch API's records: files, batches, and each finished line of a batch, in SQLite (a file on
-the batch actor's node, nothing to install) or PostgreSQL (`batch.store: postgresql://...`, for a
-multi-node cluster whose batch actor may restart on another node).
+"""The Batch API's records: files, batches, and each finished line of a batch, in the database of
+deployments/batch/database.py (SQLite, or PostgreSQL by URL).
 
 A batch's progress is its `lines` rows: a line is run when it has no row, and its row is written
 once (the primary key), so a batch taken up again after any crash runs only the lines without one,
 and its output holds each line once. File bytes live in a directory (`batch.files_dir`; a shared
 filesystem with PostgreSQL); a file's row is written after its bytes, and its bytes removed after
-its row. Every row names its app, so apps may share a database.
+its row. Every row names its app, so apps may share a database. Files are read in pages: no caller
+ever holds a whole one.
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-# `{serial}`, `{bigint}`: each dialect's auto-increment key and 64-bit integer. `seq` is the order
-# rows were made in (listing order); `id` is what clients see.
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS raylane_batch_files (
-    seq {serial}, id TEXT NOT NULL UNIQUE, app TEXT NOT NULL, owner TEXT NOT NULL,
-    purpose TEXT NOT NULL, filename TEXT NOT NULL, bytes {bigint} NOT NULL,
-    created_at {bigint} NOT NULL, expires_at {bigint}
-);
-CREATE INDEX IF NOT EXISTS raylane_batch_files_owner ON raylane_batch_files (app, owner);
-CREATE TABLE IF NOT EXISTS raylane_batches (
-    seq {serial}, id TEXT NOT NULL UNIQUE, app TEXT NOT NULL, owner TEXT NOT NULL,
-    key_id TEXT NOT NULL, status TEXT NOT NULL, created_at {bigint} NOT NULL, data TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS raylane_batches_owner ON raylane_batches (app, owner);
-CREATE INDEX IF NOT EXISTS raylane_batches_status ON raylane_batches (app, status);
-CREATE TABLE IF NOT EXISTS raylane_batch_lines (
-    batch_id TEXT NOT NULL, line INTEGER NOT NULL, status_code INTEGER NOT NULL, record TEXT NOT NULL,
-    PRIMARY KEY (batch_id, line)
-)
-"""
+from raylane.deployments.batch.database import Database, is_postgresql
+
+__all__ = ["ACTIVE", "BatchStore", "is_postgresql", "now"]
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 FILE_COLUMNS = "id, owner, purpose, filename, bytes, created_at, expires_at"
-
-
-def is_postgresql(store: str) -> bool:
-    return store.startswith(("postgresql://", "postgres://"))
-
-
-class _Database:
-    """One connection, used from the actor's loop and its threads, serialized by a lock; SQL is
-    written with `?` parameters. A PostgreSQL connection that broke (a server restart, a network
-    cut) is opened again once per statement."""
-
-    def __init__(self, store: str) -> None:
-        self.store, self.lock = store, threading.Lock()
-        self.placeholder = "%s" if is_postgresql(store) else "?"
-        self.connection = self._open()
-
-    def _open(self):
-        if is_postgresql(self.store):
-            import psycopg  # the `postgresql` extra
-
-            connection = psycopg.connect(self.store, autocommit=True)
-            for statement in SCHEMA.format(serial="BIGSERIAL PRIMARY KEY", bigint="BIGINT").split(";"):
-                connection.execute(statement)
-            return connection
-        path = Path(self.store).expanduser()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        connection = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        connection.execute("PRAGMA journal_mode=WAL")
-        connection.execute("PRAGMA synchronous=NORMAL")  # WAL: a crash of the process loses nothing
-        connection.executescript(SCHEMA.format(serial="INTEGER PRIMARY KEY AUTOINCREMENT", bigint="INTEGER"))
-        return connection
-
-    def _execute(self, sql: str, args: tuple):
-        sql = sql.replace("?", self.placeholder)
-        try:
-            return self.connection.execute(sql, args)
-        except Exception as e:
-            if not self._broken(e):
-                raise
-            self.connection = self._open()
-            return self.connection.execute(sql, args)
-
-    def _broken(self, error: Exception) -> bool:
-        if not is_postgresql(self.store):
-            return False
-        import psycopg
-
-        return isinstance(error, (psycopg.OperationalError, psycopg.InterfaceError))
-
-    def rows(self, sql: str, args: tuple = ()) -> list[tuple]:
-        with self.lock:
-            return [tuple(row) for row in self._execute(sql, args).fetchall()]
-
-    def write(self, sql: str, args: tuple = ()) -> int:
-        with self.lock:
-            return self._execute(sql, args).rowcount
 
 
 class BatchStore:
     def __init__(self, store: str, files_dir: Path, app: str) -> None:
         files_dir.mkdir(parents=True, exist_ok=True)
         self.files_dir, self.app = files_dir, app
-        self.db = _Database(store)
+        self.db = Database(store)
 
     # -- files ------------------------------------------------------------------------------------
 
     def path_of(self, file_id: str) -> Path:
         return self.files_dir / file_id
 
-    def add_file(self, record: dict[str, Any], owner: str, content: bytes) -> None:
-        self.path_of(record["id"]).write_bytes(content)
+    def add_file(self, record: dict[str, Any], owner: str, content: bytes | None = None) -> None:
+        """The file's row, after its bytes: `content`, or (None) what is at `path_of` already."""
+        if content is not None:
+            self.path_of(record["id"]).write_bytes(content)
         self.db.write(
-            f"INSERT INTO raylane_batch_files (app, {FILE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO raylane_batch_files (app, {FILE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (id) DO NOTHING",
             (self.app, record["id"], owner, record["purpose"], record["filename"], record["bytes"])
             + (record["created_at"], record["expires_at"]),
         )
+
+    def read_page(self, file_id: str, offset: int, size: int) -> bytes:
+        """Up to `size` bytes of a file's content from `offset` (fewer at its end)."""
+        with self.path_of(file_id).open("rb") as f:
+            f.seek(offset)
+            return f.read(size)
 
     def file(self, file_id: str, owner: str) -> dict[str, Any] | None:
         sql = f"SELECT {FILE_COLUMNS} FROM raylane_batch_files WHERE id = ? AND app = ? AND owner = ?"
@@ -135,10 +69,11 @@ class BatchStore:
         sql += f" ORDER BY seq {'DESC' if desc else 'ASC'} LIMIT ?"  # the order they were made in
         return [_file_record(row) for row in self.db.rows(sql, (*args, limit))]
 
-    def count_files(self, owner: str) -> int:
-        return self.db.rows(
-            "SELECT COUNT(*) FROM raylane_batch_files WHERE app = ? AND owner = ?", (self.app, owner)
-        )[0][0]
+    def file_usage(self, owner: str) -> tuple[int, int]:
+        """(files, their bytes) an owner keeps."""
+        sql = "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM raylane_batch_files WHERE app = ? AND owner = ?"
+        count, size = self.db.rows(sql, (self.app, owner))[0]
+        return int(count), int(size)
 
     def delete_file(self, file_id: str, owner: str) -> bool:
         sql = "DELETE FROM raylane_batch_files WHERE id = ? AND app = ? AND owner = ?"
@@ -160,6 +95,12 @@ class BatchStore:
             " ON CONFLICT (id) DO UPDATE SET status = excluded.status, data = excluded.data",
             (batch["id"], self.app, owner, key_id, batch["status"], batch["created_at"], json.dumps(batch)),
         )
+
+    def set_status(self, batch: dict[str, Any], status: str) -> None:
+        """`batch` moved to `status` now (its `<status>_at` set), and stored."""
+        batch["status"] = status
+        batch[f"{status}_at"] = now()
+        self.put_batch(batch, *self.owner_of(batch["id"]))
 
     def owner_of(self, batch_id: str) -> tuple[str, str]:
         """(owner, key id) of a batch."""
@@ -199,10 +140,14 @@ class BatchStore:
 
     # -- a batch's lines ----------------------------------------------------------------------------
 
-    def finish_line(self, batch_id: str, line: int, status_code: int, record: dict[str, Any]) -> bool:
-        """Record line `line`'s result; False if it had one already (it is never written twice)."""
-        sql = "INSERT INTO raylane_batch_lines VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING"
-        return self.db.write(sql, (batch_id, line, status_code, json.dumps(record, ensure_ascii=False))) > 0
+    def finish_line(self, batch_id: str, line: int, status_code: int, text: str) -> bool:
+        """Record line `line`'s result (its output or error line, as JSON); False if it had one already
+        (it is never written twice)."""
+        sql = (
+            "INSERT INTO raylane_batch_lines (batch_id, line, status_code, record, bytes)"
+            " VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+        )
+        return self.db.write(sql, (batch_id, line, status_code, text, len(text.encode()))) > 0
 
     def done_lines(self, batch_id: str) -> set[int]:
         return {
@@ -220,13 +165,52 @@ class BatchStore:
         ok, failed = self.db.rows(sql, (batch_id,))[0]
         return int(ok), int(failed)
 
-    def results(self, batch_id: str) -> list[tuple[int, int, str]]:
-        """(line, status code, output line JSON) of each finished line, in input order."""
-        sql = "SELECT line, status_code, record FROM raylane_batch_lines WHERE batch_id = ? ORDER BY line"
-        return self.db.rows(sql, (batch_id,))
+    def line_bytes(self, batch_id: str) -> int:
+        """Bytes of a batch's line results (from the index: no record is read)."""
+        sql = "SELECT COALESCE(SUM(bytes), 0) FROM raylane_batch_lines WHERE batch_id = ?"
+        return int(self.db.rows(sql, (batch_id,))[0][0])
 
-    def forget_lines(self, batch_id: str) -> None:
-        self.db.write("DELETE FROM raylane_batch_lines WHERE batch_id = ?", (batch_id,))
+    def result_sizes(self, batch_id: str, after: int, limit: int) -> list[tuple[int, int]]:
+        """(line, bytes) of up to `limit` finished lines past line `after`, in input order."""
+        sql = (
+            "SELECT line, bytes FROM raylane_batch_lines"
+            " WHERE batch_id = ? AND line > ? ORDER BY line LIMIT ?"
+        )
+        return self.db.rows(sql, (batch_id, after, limit))
+
+    def results(self, batch_id: str, first: int, last: int) -> list[tuple[int, int, str]]:
+        """(line, status code, output line JSON) of the finished lines from `first` to `last`."""
+        sql = (
+            "SELECT line, status_code, record FROM raylane_batch_lines"
+            " WHERE batch_id = ? AND line BETWEEN ? AND ? ORDER BY line"
+        )
+        return self.db.rows(sql, (batch_id, first, last))
+
+    def forget_lines(self, batch_id: str, up_to: int | None = None) -> None:
+        """Drop a batch's line rows (those up to line `up_to`): its output files hold them now."""
+        if up_to is None:
+            self.db.write("DELETE FROM raylane_batch_lines WHERE batch_id = ?", (batch_id,))
+        else:
+            self.db.write(
+                "DELETE FROM raylane_batch_lines WHERE batch_id = ? AND line <= ?", (batch_id, up_to)
+            )
+
+    # -- writing a batch's output files ---------------------------------------------------------
+
+    def output_state(self, batch_id: str) -> dict[str, Any] | None:
+        """How far writing a batch's output files got (deployments/batch/output.py), if it began."""
+        rows = self.db.rows("SELECT state FROM raylane_batch_outputs WHERE batch_id = ?", (batch_id,))
+        return json.loads(rows[0][0]) if rows else None
+
+    def save_output_state(self, batch_id: str, state: dict[str, Any]) -> None:
+        self.db.write(
+            "INSERT INTO raylane_batch_outputs VALUES (?, ?)"
+            " ON CONFLICT (batch_id) DO UPDATE SET state = excluded.state",
+            (batch_id, json.dumps(state)),
+        )
+
+    def forget_output_state(self, batch_id: str) -> None:
+        self.db.write("DELETE FROM raylane_batch_outputs WHERE batch_id = ?", (batch_id,))
 
 
 def _file_record(row: tuple) -> dict[str, Any]:

@@ -1,34 +1,56 @@
-"""The gateway's side of the Batch API (`/v1/files`, `/v1/batches`): reading an upload, and calls to
-the app's batch actor (deployments/batch/service.py), which keeps the records and runs the lines.
+"""The gateway's side of the Batch API (`/v1/files`, `/v1/batches`): uploads and downloads streamed
+to and from the app's batch actor (deployments/batch/service.py), which keeps the records and runs
+the lines, and calls to it.
 
-An upload is read within `batch.max_file_bytes` (413 past it, on its Content-Length before a byte
-is read) and its multipart form parsed in a thread: this replica's event loop serves others while a
-64 MiB file is split. Records belong to the API key that made them (its key id; every caller shares
-one owner in open mode); another key's id is a 404, as if it did not exist.
+An upload is bounded before a byte of it is read: the key's tier must allow batches (403), its
+Content-Length within `batch.max_file_bytes` (413), and the actor has given it one of the key's
+`batch.max_concurrent_uploads_per_key` places and reserved its file and bytes in the key's quota
+(429 when either is full: nothing between that check and the file's record can let another upload
+pass it). The body is then parsed as it arrives (deployments/gateway/upload_form.py) and the file's
+bytes go to the actor in 1 MiB chunks, which it appends to disk: neither side holds the file whole.
+A file's content is streamed back the same way, in pages. Records belong to the API key that made
+them (its key id; every caller shares one owner in open mode); another key's id is a 404, as if it
+did not exist.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
+from starlette.responses import StreamingResponse
 
 from raylane.config import ClusterConfig
-from raylane.deployments.gateway.request_body import parse_bytes, read_body
+from raylane.deployments.gateway.request_body import body_too_large, parse_bytes
 from raylane.deployments.gateway.responses_api import owner as response_owner
+from raylane.deployments.gateway.upload_form import FILE_CHUNK, FormReader, boundary_of
 from raylane.deployments.protocol.batch_schemas import BatchCreateRequest
 from raylane.deployments.protocol.errors import OpenAIError, client_error, invalid, unavailable
 from raylane.router import Principal
 
 logger = logging.getLogger(__name__)
 FORM_OVERHEAD = 64 * 1024  # bytes of a multipart body beyond the file (boundaries, headers, fields)
+CONTENT_PAGE = 2**20  # bytes of a file's content asked of the actor at once
+KEEPALIVE_S = 30.0  # a slow upload's bytes go to the actor at least this often (it drops silent ones)
 
 
 def owner(principal: Principal) -> str:
     """Whose records a caller sees: as for stored responses, its API key; everyone's in open mode."""
     return response_owner(principal) or ""
+
+
+def check_batches_allowed(principal: Principal) -> None:
+    """403 for a key whose tier has not opted in to batches (`tiers[].batches`)."""
+    if not principal.tier.batches:
+        raise OpenAIError(
+            f"This API key's tier '{principal.tier.name}' may not upload files or run batches "
+            "(tiers[].batches).",
+            status=403,
+            code="batches_not_allowed",
+        )
 
 
 class BatchApi:
@@ -63,20 +85,62 @@ class BatchApi:
             raise unavailable(f"The batch service could not answer: {type(e).__name__}.") from None
 
     async def upload(self, request: Request, principal: Principal) -> dict:
+        check_batches_allowed(principal)
         limit = self.config.batch.max_file_bytes
-        body = await read_body(request, limit + FORM_OVERHEAD)
-        fields, file = await asyncio.to_thread(parse_form, body, request.headers.get("content-type", ""))
-        purpose = fields.get("purpose")
-        if purpose != "batch":
-            raise invalid("purpose", f"purpose must be 'batch', got {purpose!r}.")
-        if file is None:
-            raise invalid("file", "The form holds no file.")
-        filename, content = file
-        if len(content) > limit:
-            raise OpenAIError(f"The file is larger than {limit} bytes.", status=413, param="file")
-        return await self.call("create_file", owner(principal), filename, purpose, content)
+        reader = FormReader(boundary_of(request.headers.get("content-type", "")))
+        declared = request.headers.get("content-length", "")
+        size = int(declared) if declared.isdigit() else None
+        if size is not None and size > limit + FORM_OVERHEAD:
+            raise body_too_large(limit + FORM_OVERHEAD, size)
+        upload_id = await self.call("begin_upload", owner(principal), principal.key_id, size)
+        try:
+            await self._stream_file(request, reader, upload_id, limit + FORM_OVERHEAD)
+            purpose = reader.fields.get("purpose")
+            if purpose != "batch":
+                raise invalid("purpose", f"purpose must be 'batch', got {purpose!r}.")
+            if reader.filename is None:
+                raise invalid("file", "The form holds no file.")
+            return await self.call("finish_upload", upload_id, reader.filename, purpose)
+        except BaseException:
+            self.service.abort_upload.remote(upload_id)  # its place and reservation go at once
+            raise
+
+    async def _stream_file(self, request: Request, reader: FormReader, upload_id: str, limit: int) -> None:
+        """Read the body, handing the file's bytes to the actor as they come (one chunk in memory;
+        a slow client's bytes at least every `KEEPALIVE_S`, so the actor never takes a live upload
+        for an abandoned one)."""
+        read, sent_at = 0, time.monotonic()
+        async for chunk in request.stream():
+            read += len(chunk)
+            if read > limit:  # chunked (or lying about its length): stop reading here
+                raise body_too_large(limit)
+            reader.write(chunk)
+            due = time.monotonic() - sent_at > KEEPALIVE_S
+            if (data := reader.take(at_least=1 if due else FILE_CHUNK)) is not None:
+                await self.call("upload_chunk", upload_id, data)
+                sent_at = time.monotonic()
+        reader.finalize()
+        if (data := reader.take(at_least=1)) is not None:
+            await self.call("upload_chunk", upload_id, data)
+
+    async def content(self, principal: Principal, file_id: str) -> StreamingResponse:
+        """A file's content, streamed in pages read from the actor as the client takes them."""
+        record = await self.call("file", owner(principal), file_id)  # a 404 before anything is sent
+
+        async def pages() -> AsyncIterator[bytes]:
+            offset = 0
+            while offset < record["bytes"]:
+                page = await self.call("file_page", owner(principal), file_id, offset, CONTENT_PAGE)
+                if not page:
+                    return
+                offset += len(page)
+                yield page
+
+        headers = {"content-length": str(record["bytes"])}
+        return StreamingResponse(pages(), media_type="application/octet-stream", headers=headers)
 
     async def create_batch(self, body: bytes, principal: Principal) -> dict:
+        check_batches_allowed(principal)
         req = await parse_bytes(body, BatchCreateRequest)
         args = (owner(principal), principal.key_id, req.input_file_id, req.endpoint, req.metadata)
         return await self.call("create_batch", *args)
@@ -101,36 +165,3 @@ def list_limit(request: Request, default: int, most: int) -> int:
     if not raw.isdigit() or not 1 <= int(raw) <= most:
         raise invalid("limit", f"limit must be an integer from 1 to {most}.")
     return int(raw)
-
-
-def parse_form(body: bytes, content_type: str) -> tuple[dict[str, str], tuple[str, bytes] | None]:
-    """The text fields of a multipart form, and its one file (filename, bytes), by python-multipart's
-    parser (linear in the body, which is whole in memory already); 400 when it is not one."""
-    from python_multipart import create_form_parser
-    from python_multipart.multipart import parse_options_header
-
-    kind, options = parse_options_header(content_type)
-    if kind != b"multipart/form-data" or not options.get(b"boundary"):
-        raise invalid("file", "Upload the file as multipart/form-data (fields `file` and `purpose`).")
-    fields: dict[str, str] = {}
-    files: list = []
-
-    def on_field(field) -> None:
-        fields[field.field_name.decode(errors="replace")] = (field.value or b"")[:1024].decode(
-            errors="replace"
-        )
-
-    headers = {"Content-Type": content_type.encode()}
-    config = {"MAX_MEMORY_FILE_SIZE": len(body) + 1}  # kept in memory: never spooled to disk
-    try:
-        parser = create_form_parser(headers, on_field, files.append, config=config)
-        parser.write(body)
-        parser.finalize()
-    except Exception as e:  # python-multipart's errors for a malformed body
-        raise invalid("file", f"The multipart form could not be read: {e}.") from None
-    if len(files) > 1:
-        raise invalid("file", "Upload one file at a time.")
-    if not files:
-        return fields, None
-    name = (files[0].file_name or b"").decode(errors="replace")[:256]
-    return fields, (name, files[0].file_object.getvalue())

@@ -124,7 +124,9 @@ class Dispatcher:
             raise invalid(
                 "n", f"n must be at most {first_pool.max_n} for model {resolution.model!r}, got {n}."
             )
-        plan = self.router.plan(principal, resolution, charge=charge)
+        # Each choice of each prompt is its own sequence in the engine: a tier's pool share counts them.
+        sequences = n * len(request.body.prompts()) if request.endpoint == "completions" else n
+        plan = self.router.plan(principal, resolution, charge=charge, sequences=sequences)
         suspects: list[tuple[Slot, PoolFailure]] = []  # failures not yet counted against their pool
         adapter = None if resolution.adapter is None else self.lora.ref(resolution.adapter, resolution.pools)
         request = replace(

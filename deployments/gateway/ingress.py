@@ -58,6 +58,11 @@ from raylane.deployments.gateway.response_store import response_store
 from raylane.deployments.gateway.responses_api import StoredResponses
 from raylane.deployments.gateway.routing import build_router, classifier_for, update_router
 from raylane.deployments.metrics.gateway import render_cluster_metrics, set_config_generation
+from raylane.deployments.protocol.batch_answers import (
+    batch_budget_exceeded,
+    batch_key_refused,
+    line_too_large,
+)
 from raylane.deployments.protocol.batch_schemas import (
     Batch,
     BatchCreateRequest,
@@ -111,7 +116,7 @@ from raylane.deployments.protocol.tokenization_schemas import (
 )
 from raylane.deployments.protocol.wire import PoolRequest
 from raylane.router import Principal, RateCharge, RouterError
-from raylane.router.errors import OverloadedError
+from raylane.router.errors import OverloadedError, RateLimitError
 
 logger = logging.getLogger(__name__)
 # The Gateway method that serves each endpoint a batch line may name (config.batch.BATCH_ENDPOINTS).
@@ -214,7 +219,6 @@ class Gateway:
         self.config_digest: str | None = None
         self._reconfiguring = asyncio.Lock()
         self.batch_api = BatchApi(context.app_name, self.config)
-        self.batch_tier = batch_tier(list(self.config.tiers), self.config.batch)
         if self.config.batch.enabled and may_hold_batches(context.app_name, self.config.batch):
             self.batch_api.start()  # batches an earlier run left are taken up now
 
@@ -265,7 +269,6 @@ class Gateway:
         if self.grammar_worker is not None:  # each call reads the bound: the same worker takes it
             self.grammar_worker.timeout_s = config.gateway.grammar_check_timeout_s
         self.config = self.dispatcher.config = self.batch_api.config = config
-        self.batch_tier = batch_tier(list(config.tiers), config.batch)
 
     # -- endpoints --------------------------------------------------------------------------------
 
@@ -424,8 +427,7 @@ class Gateway:
 
     @app.get("/v1/files/{file_id}/content")
     async def file_content(self, file_id: str, request: Request) -> Response:
-        content = await self.batch.call("file_content", owner(self.authenticate(request)), file_id)
-        return Response(content, media_type="application/octet-stream")
+        return await self.batch.content(self.authenticate(request), file_id)  # streamed in pages
 
     @app.delete("/v1/files/{file_id}", **route_docs(FileDeleted))
     async def delete_file(self, file_id: str, request: Request) -> Response:
@@ -510,19 +512,33 @@ class Gateway:
     def _adapters_changed(self) -> None:
         update_router(self.router, self.config, self.router.classifier, self.lora.by_pool())
 
-    async def run_batch_line(self, key_id: str, endpoint: str, body: bytes) -> tuple[int, str, bool]:
+    async def run_batch_line(
+        self, key_id: str, endpoint: str, body: bytes, check_key: bool = True
+    ) -> tuple[int, str, bool]:
         """One line of a batch (called by the batch actor), served as a request of the `batch` tier
-        from the key that made the batch: (status, JSON body, whether other tiers were using its pool)."""
-        principal = Principal(key_id, self.batch_tier)
-        charge = self.router.check_rate(principal)  # the tier has no limits: counts nothing
+        from the key that made the batch: (status, JSON body, whether other tiers were using its pool).
+        `check_key`: the key must still be known and its tier allow batches (else a 403 that stops the
+        batch: `raylane batch run`, an operator's job, names no key); its tier's
+        `batch_tokens_per_minute` is charged (past it, a 429 the batch waits out)."""
+        key_tier = self.router.tier_of_key(key_id) if check_key else None
+        if check_key and (key_tier is None or not key_tier.batches):
+            return 403, json.dumps(batch_key_refused(key_tier).to_dict()), False
+        principal = Principal(key_id, batch_tier(list(self.config.tiers), self.config.batch, key_tier))
+        charge = None
         busy = True
         try:
             self.check_open()
+            charge = self.router.check_rate(principal, len(body) // PROMPT_BYTES_PER_TOKEN)
             response = await getattr(self, BATCH_SERVERS[endpoint])(principal, body, charge)
             pool = response.headers.get("x-raylane-pool")
             # Busy: interactive requests are on the pool (or anything waits): the batch steps back.
             busy = pool is not None and self.router.others_on(pool, BATCH_TIER)
-            return response.status_code, bytes(response.body).decode(), busy
+            result = bytes(response.body)
+            if len(result) > self.config.batch.max_line_result_bytes:  # never shipped to the actor
+                return 413, json.dumps(line_too_large(len(result), self.config.batch).to_dict()), busy
+            return response.status_code, result.decode(), busy
+        except RateLimitError as e:  # the batch tier has only the key's batch tokens/min
+            return 429, json.dumps(batch_budget_exceeded(e).to_dict()), busy
         except OpenAIError as e:
             return e.status, json.dumps(e.to_dict()), busy
         except RouterError as e:
@@ -531,7 +547,8 @@ class Gateway:
             logger.exception("a batch line failed in the gateway")
             return 500, json.dumps(internal_error().to_dict()), busy
         finally:
-            charge.settle(0)
+            if charge is not None:
+                charge.settle(0)
 
     @property
     def batch(self) -> BatchApi:

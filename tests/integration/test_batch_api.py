@@ -4,10 +4,12 @@ files, cancelling, a crash of the batch actor, and interactive requests served a
 The main test app (demo Llama as `chat`, open mode) and the router app (API keys; its `chat` pool
 takes one request at a time)."""
 
+import asyncio
 import io
 import json
 import time
 
+import httpx2
 import openai
 import pytest
 import ray
@@ -19,6 +21,8 @@ from raylane.deployments.batch.service import service_name
 from raylane.deployments.detached import NAMESPACE
 from tests.integration.test_metrics import scrape, value
 from tests.live_servers import ROUTER_APP, ROUTER_KEYS, wait_healthy, wait_until
+
+BOUNDARY = "raylane-test-boundary"
 
 pytestmark = pytest.mark.timeout(300)
 ENDED = ("completed", "failed", "expired", "cancelled")
@@ -361,3 +365,92 @@ def test_an_offline_run_writes_each_line_once_and_resumes_a_partial_output(clien
     )
     assert l3["response"]["status_code"] == 200
     assert l3["response"]["body"]["choices"][0]["message"]["content"] == alone.choices[0].message.content
+
+
+def test_a_file_is_streamed_back_whole_in_pages(client):
+    """A 5 MiB file comes back in several pages of the batch actor, byte for byte."""
+    line = json.dumps(chat_line("x", "y" * 4000)) + "\n"
+    content = (line * (5 * 2**20 // len(line) + 1)).encode()
+    uploaded = client.files.create(file=("big.jsonl", content), purpose="batch")
+    assert uploaded.bytes == len(content)
+    with client.files.with_streaming_response.content(uploaded.id) as response:
+        pieces = list(response.iter_bytes())
+    assert b"".join(pieces) == content
+    client.files.delete(uploaded.id)
+
+
+def test_a_tier_that_has_not_opted_in_to_batches_gets_a_403(router_server):
+    free = openai.OpenAI(base_url=router_server.base_url, api_key=ROUTER_KEYS["free"], max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError, match="tiers\\[\\].batches"):
+        free.files.create(file=("in.jsonl", jsonl([chat_line("a", "Hi")])), purpose="batch")
+    with pytest.raises(openai.PermissionDeniedError, match="batches_not_allowed|may not"):
+        free.batches.create(input_file_id="file-x", endpoint="/v1/chat/completions", completion_window="24h")
+
+
+def multipart_head(filename: str) -> bytes:
+    return (
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="{filename}"\r\n'
+        "Content-Type: application/octet-stream\r\n\r\n"
+    ).encode()
+
+
+async def test_a_keys_second_upload_while_its_first_is_under_way_is_a_429_with_retry_after(router_server):
+    """The router app lets a key upload one file at a time: a second upload sent while the first one's
+    body is still coming (slowly, chunked) is turned away at once, telling when to come back; the first
+    completes, and the key may upload again."""
+    headers = {"authorization": f"Bearer {ROUTER_KEYS['premium']}"}
+    line = (json.dumps(chat_line("s", "Hi")) + "\n").encode()
+    begun = asyncio.Event()
+
+    async def slow_body():
+        yield multipart_head("slow.jsonl")
+        begun.set()
+        for _ in range(6):
+            await asyncio.sleep(0.5)
+            yield line
+        yield f"\r\n--{BOUNDARY}--\r\n".encode()
+
+    async with httpx2.AsyncClient(base_url=router_server.base_url, timeout=60) as http:
+        multipart = {"content-type": f"multipart/form-data; boundary={BOUNDARY}"}
+        first = asyncio.create_task(http.post("/files", content=slow_body(), headers=headers | multipart))
+        await begun.wait()
+        await asyncio.sleep(1.0)  # the gateway has its headers: the upload holds the key's place
+        files = {"file": ("fast.jsonl", line)}
+        second = await http.post("/files", files=files, data={"purpose": "batch"}, headers=headers)
+        first = await first
+        again = await http.post("/files", files=files, data={"purpose": "batch"}, headers=headers)
+    assert second.status_code == 429, second.text
+    assert int(second.headers["retry-after"]) >= 1
+    assert "batch.max_concurrent_uploads_per_key" in second.json()["error"]["message"]
+    assert first.status_code == 200 and first.json()["bytes"] == 6 * len(line), first.text
+    assert again.status_code == 200, again.text
+
+
+def test_a_line_of_a_key_no_longer_allowed_batches_is_refused_with_the_code_that_stops_its_batch(
+    router_server,
+):
+    """What the batch actor hears for a line whose key is gone from the config (or its Secret), or
+    whose tier does not allow batches: a 403 with a code that stops the batch at that line."""
+    import hashlib
+
+    from ray import serve
+
+    gateway = serve.get_deployment_handle("Gateway", ROUTER_APP)
+    body = json.dumps(chat_line("x", "Hi", max_tokens=1)["body"]).encode()
+
+    def line_for(key_id: str) -> tuple[int, dict]:
+        status, text, _ = gateway.run_batch_line.remote(key_id, "/v1/chat/completions", body).result(
+            timeout_s=60
+        )
+        return status, json.loads(text)
+
+    def key_id(key: str) -> str:
+        return f"key-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+    status, answer = line_for("key-000000000000")  # no such key (any more)
+    assert (status, answer["error"]["code"]) == (403, "api_key_revoked")
+    status, answer = line_for(key_id(ROUTER_KEYS["free"]))
+    assert (status, answer["error"]["code"]) == (403, "batches_not_allowed")
+    status, answer = line_for(key_id(ROUTER_KEYS["standard"]))
+    assert status == 200 and answer["choices"], answer

@@ -67,7 +67,9 @@ def untrusted(api_server, demo_models, tmp_path_factory):
         "pools": [llama_pool(demo_models, "chat", engine={"max_model_len": CONTEXT}, max_n=4)],
         "embeddings": {"enabled": True},  # fuzzed too
         # Open mode, one tier without rate limits: the fuzz is one client sending fast.
-        "tiers": [{"name": "open", "priority": 0, "max_queue_depth": 64, "max_queue_wait_s": 60}],
+        "tiers": [
+            {"name": "open", "priority": 0, "max_queue_depth": 64, "max_queue_wait_s": 60, "batches": True}
+        ],
         "api_keys": {"default_tier": "open"},
     }
     with deployed(api_server, APP, config) as url:

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from raylane.deployments.batch.lines import dispatch_order, read_input
-from raylane.deployments.batch.service import Window
+from raylane.deployments.batch.lines import LineCaps, error_line, read_input, record_text
 from raylane.deployments.batch.store import BatchStore
+from raylane.deployments.batch.window import Window
 from tests.postgresql_server import postgresql_url  # noqa: F401  (a fixture)
 
 CHAT = "/v1/chat/completions"
@@ -37,7 +37,8 @@ def test_a_line_that_cannot_be_sent_is_set_aside_with_its_reason_and_the_rest_ru
     )
     read = read_input(content, max_lines=100, max_body_bytes=100)
     assert not read.errors
-    assert [(x.custom_id, x.url) for x in read.lines] == [("a", CHAT), ("g", "/v1/completions")]
+    lines = sorted(read.lines, key=lambda x: x.number)  # (they come in the order they are sent)
+    assert [(x.custom_id, x.url) for x in lines] == [("a", CHAT), ("g", "/v1/completions")]
     assert [(n, custom_id, code) for n, custom_id, code, _ in read.rejected] == [
         (2, "", "invalid_json_line"),
         (3, "", "invalid_json_line"),
@@ -72,8 +73,45 @@ def test_lines_sharing_a_prompt_prefix_are_sent_next_to_each_other():
     content = jsonl(ask("1", "You are A.", "x"), ask("2", "You are B.", "x"), ask("3", "You are A.", "y"))
     read = read_input(content, 10, 10_000)
     assert not read.errors and not read.rejected
-    order = [x.custom_id for x in dispatch_order(read.lines)]
+    order = [x.custom_id for x in read.lines]  # in the order they are sent
     assert abs(order.index("1") - order.index("3")) == 1
+
+
+def test_a_line_nested_100k_deep_or_holding_u2028_is_that_lines_own_business():
+    """JSONL ends a line at "\n" only: U+2028 and its kin inside a string are text, and the line
+    runs. A line nested past Python's recursion limit is that line's error; the others run."""
+    nested = "[" * 100_000 + "]" * 100_000
+    deep = f'{{"custom_id": "deep", "method": "POST", "url": "{CHAT}", "body": {{"x": {nested}}}}}'
+    raw = line("sep", messages=[{"role": "user", "content": "a\u2028b\u2029c\x85d"}])
+    separators = json.dumps(raw, ensure_ascii=False)  # the characters themselves, not escapes
+    assert "\u2028" in separators
+    read = read_input(jsonl(line("a"), deep, separators, line("z")), 10, 10**7)
+    assert not read.errors
+    assert sorted(x.custom_id for x in read.lines) == ["a", "sep", "z"]
+    assert [(n, code) for n, _, code, _ in read.rejected] == [(2, "invalid_json_line")]
+
+
+def test_a_line_asking_for_more_choices_or_tokens_than_a_batch_line_may_is_an_error_line():
+    caps = LineCaps(max_body_bytes=10_000, max_n=4, max_tokens=100)
+    content = jsonl(
+        line("ok", n=4, max_tokens=100),
+        line("n", n=5),
+        line("prompts", url="/v1/completions", prompt=["a", "b", "c"], n=2),  # 6 sequences
+        line("tokens", max_completion_tokens=101),
+        line("output", url="/v1/responses", input="x", max_output_tokens=1000),
+    )
+    read = read_input(content, 10, 10_000, caps)
+    assert [x.custom_id for x in read.lines] == ["ok"]
+    rejected = {custom_id: (code, message) for _, custom_id, code, message in read.rejected}
+    assert rejected["n"][0] == rejected["prompts"][0] == "too_many_choices"
+    assert "batch.max_line_n" in rejected["prompts"][1]
+    assert rejected["tokens"][0] == rejected["output"][0] == "max_tokens_too_large"
+    assert "batch.max_line_tokens" in rejected["output"][1]
+
+
+def test_an_output_line_holding_unicode_line_separators_stays_one_line():
+    text = record_text(error_line("x", "code", "one\u2028two\u2029three\x85four\nfive"))
+    assert len(text.splitlines()) == 1 and json.loads(text)["error"]["message"].count("\u2028") == 1
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -85,7 +123,7 @@ def store(request, tmp_path):
     else:
         location = request.getfixturevalue("postgresql_url")
         BatchStore(location, tmp_path / "x", "app").db.write(
-            "TRUNCATE raylane_batches, raylane_batch_files, raylane_batch_lines"
+            "TRUNCATE raylane_batches, raylane_batch_files, raylane_batch_lines, raylane_batch_outputs"
         )
     neighbour = BatchStore(location, tmp_path / "other", "other-app")
     neighbour.put_batch(batch("theirs"), "me", "k")
@@ -110,12 +148,13 @@ def batch(batch_id: str, status: str = "in_progress") -> dict:
 
 def test_a_line_is_recorded_once(store):
     store.put_batch(batch("b"), "owner", "key")
-    assert store.finish_line("b", 3, 200, {"custom_id": "x"})
-    assert not store.finish_line("b", 3, 500, {"custom_id": "x", "again": True})
-    assert store.finish_line("b", 4, 404, {"custom_id": "y"})
+    assert store.finish_line("b", 3, 200, '{"custom_id": "x"}')
+    assert not store.finish_line("b", 3, 500, '{"custom_id": "x", "again": true}')
+    assert store.finish_line("b", 4, 404, '{"custom_id": "y"}')
     assert store.done_lines("b") == {3, 4}
     assert store.line_counts("b") == (1, 1)
-    assert [(n, code) for n, code, _ in store.results("b")] == [(3, 200), (4, 404)]
+    assert [(n, code) for n, code, _ in store.results("b", 1, 10)] == [(3, 200), (4, 404)]
+    assert store.line_bytes("b") == len('{"custom_id": "x"}') + len('{"custom_id": "y"}')
 
 
 def test_batches_list_newest_first_per_owner_and_keep_their_place_when_updated(store):
@@ -143,7 +182,7 @@ def test_files_are_kept_per_owner_and_removed_with_their_bytes(store):
         store.add_file(record, owner, b"x")
     assert [f["id"] for f in store.files("me", None, 10, None, desc=False)] == ["f0", "f1"]
     assert [f["id"] for f in store.files("me", "batch", 10, "f1", desc=True)] == ["f0"]
-    assert store.file("f2", "me") is None and store.count_files("me") == 2
+    assert store.file("f2", "me") is None and store.file_usage("me") == (2, 2)
     assert store.expired_files(11) == [("f0", "me"), ("f1", "me")]
     assert store.delete_file("f0", "me") and not store.path_of("f0").exists()
     assert not store.delete_file("f2", "me") and store.path_of("f2").exists()

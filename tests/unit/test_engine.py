@@ -282,6 +282,54 @@ def test_priority_zero_request_is_scheduled_before_earlier_priority_one_requests
     assert all(first_output_step["urgent"] < first_output_step[f"low{i}"] for i in range(3))
 
 
+def test_a_higher_priority_request_takes_a_running_lower_priority_requests_slot(llama):
+    """Every slot (`max_num_seqs`) held by a long batch-tier request: an interactive request sent
+    then runs at the next step, preempting it, rather than waiting for it to finish; the preempted
+    request is recomputed later and its answer is the one it gives alone."""
+    engine = LLMEngine(EngineConfig(model=llama, num_kv_blocks=64, max_num_seqs=1))
+    engine.add_request(random_prompt(8, 50), greedy(60), request_id="batch", priority=3)
+    for _ in range(3):
+        engine.step()
+    engine.add_request(random_prompt(8, 51), greedy(4), request_id="urgent", priority=0)
+    outputs: dict[str, list[int]] = {}
+    first_step: dict[str, int] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for out in engine.step():
+            first_step.setdefault(out.request_id, step)
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    assert first_step["urgent"] == 1, first_step
+    assert engine.scheduler.num_preemptions == 1
+    alone = LLMEngine(EngineConfig(model=llama, num_kv_blocks=64, max_num_seqs=1))
+    alone.add_request(random_prompt(8, 50), greedy(60), request_id="batch", priority=3)
+    while alone.has_unfinished_requests():
+        for out in alone.step():
+            if out.finished:
+                assert list(out.outputs[0].token_ids) == list(outputs["batch"])
+
+
+def test_a_higher_priority_request_short_of_kv_blocks_preempts_a_lower_priority_one(llama):
+    """The blocks, not the slots, run out: a running lower-priority request gives its blocks to a
+    waiting higher-priority one, which would otherwise wait until it finished."""
+    engine = LLMEngine(EngineConfig(model=llama, num_kv_blocks=6, block_size=16, max_num_seqs=4))
+    engine.add_request(random_prompt(60, 52), greedy(20), request_id="batch", priority=3)
+    engine.step()  # its prompt holds 4 of the 6 blocks
+    engine.add_request(random_prompt(40, 53), greedy(4), request_id="urgent", priority=0)
+    first = first_output_steps(engine)
+    assert first["urgent"] == 1 and engine.scheduler.num_preemptions >= 1, first
+
+
+def test_an_equal_priority_request_never_preempts(llama):
+    engine = LLMEngine(EngineConfig(model=llama, num_kv_blocks=64, max_num_seqs=1))
+    engine.add_request(random_prompt(8, 54), greedy(12), request_id="first", priority=1)
+    engine.step()
+    engine.add_request(random_prompt(8, 55), greedy(4), request_id="second", priority=1)
+    first = first_output_steps(engine)
+    assert first["second"] > first["first"] and engine.scheduler.num_preemptions == 0
+
+
 def test_within_a_priority_a_key_with_one_request_waits_for_a_slot_not_for_another_keys_queue(llama):
     """Two slots, both held by key A, which has queued five more; key B then sends one. B's request
     runs as soon as a slot frees, not after A's queue (FCFS would run it seventh). A's own requests

@@ -345,3 +345,21 @@ async def test_another_keys_flood_does_not_make_a_key_look_too_late_to_wait():
     (await asyncio.wait_for(victim, 1)).release()
     (await flood[1]).release()
     assert admission.load("coding") == PoolLoad(in_flight=0, waiting=0, capacity=1)
+
+
+async def test_a_tiers_share_of_a_pool_counts_sequences_not_requests():
+    """A batch line with n = 4 takes four of its tier's places (as it takes four of the engine's
+    sequences): with a share of four, one such line leaves no place for another batch request, and
+    the pool's other places stay free for other tiers."""
+    admission = controller(capacity=8)
+    batch = FREE.model_copy(update={"max_pool_share": 0.5, "max_queue_wait_s": 0.05})
+    wide = await admission.acquire("coding", batch, sequences=4)
+    assert admission.try_acquire("coding", batch, sequences=1) is None
+    assert admission.try_acquire("coding", PREMIUM, sequences=4) is not None
+    with pytest.raises(OverloadedError):
+        await admission.acquire("coding", batch, sequences=1)
+    huge = FREE.model_copy(update={"name": "huge", "max_pool_share": 0.25})
+    alone = admission.try_acquire("coding", huge, sequences=100)  # larger than its share: runs alone
+    assert alone is not None and admission.try_acquire("coding", huge) is None
+    wide.release()
+    assert admission.try_acquire("coding", batch, sequences=4) is not None

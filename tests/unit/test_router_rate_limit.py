@@ -129,3 +129,21 @@ def test_unlimited_tier_and_bounded_memory():
     for i in range(1000):
         limiter.check(f"anonymous:10.0.{i // 256}.{i % 256}", tier, tokens=10**6)
     assert len(limiter._buckets) == 10
+
+
+def test_a_keys_batch_lines_have_a_token_budget_apart_from_its_requests():
+    """Batch lines run as the `batch` tier with their key's tier's `batch_tokens_per_minute`: the
+    budget binds them, and spending it leaves the key's interactive tokens/min untouched."""
+    from raylane.config.batch import BatchConfig, batch_tier
+
+    standard = TierConfig(name="standard", priority=1, tokens_per_minute=1000, batch_tokens_per_minute=300)
+    lines = batch_tier([standard], BatchConfig(), standard)
+    limiter = RateLimiter(clock=lambda: 0.0)
+    limiter.check("key-a", lines, 200)
+    with pytest.raises(RateLimitError):
+        limiter.check("key-a", lines, 200)
+    limiter.check("key-a", standard, 900)  # its own requests' budget is whole
+    unlimited = batch_tier(
+        [standard], BatchConfig(), standard.model_copy(update={"batch_tokens_per_minute": None})
+    )
+    limiter.check("key-a", unlimited, 10_000)  # the key's tier changed: its batch bucket follows

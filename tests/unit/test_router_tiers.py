@@ -115,3 +115,18 @@ def test_keys_never_reach_the_log(caplog, tmp_path):
         with pytest.raises(AuthenticationError) as excinfo:
             auth.authenticate(bearer("sk-secret-3"))
     assert "sk-secret" not in caplog.text + principal.key_id + str(excinfo.value)
+
+
+def test_a_key_taken_out_of_its_secret_has_no_tier_any_more(tmp_path):
+    """What a key started without a request of its own (a batch's lines) asks by the key's id
+    whether the key still exists: once the Secret drops it, it does not."""
+    secret = tmp_path / "keys"
+    secret.write_text("sk-a standard\nsk-b free\n")
+    clock = [0.0]
+    auth = authenticator(ApiKeysConfig(file=str(secret)), clock=lambda: clock[0], reload_interval_s=1)
+    key_a = auth.authenticate(bearer("sk-a")).key_id
+    assert auth.tier_of(key_a).name == "standard" and auth.tier_of("key-000000000000") is None
+    secret.write_text("sk-b free\n")
+    clock[0] = 5.0
+    assert auth.tier_of(key_a) is None
+    assert authenticator(ApiKeysConfig()).tier_of(key_a) is None  # open mode: no key is known

@@ -1,0 +1,40 @@
+"""What the gateway's `run_batch_line` answers the batch actor about a line beyond the line's own
+result, as OpenAI errors with codes both sides know: the key may no longer run batches (the batch
+stops), the key's batch tokens/min are spent (the line waits, never counted as a failed try), the
+result is larger than a line may make (that line's error)."""
+
+from __future__ import annotations
+
+from raylane.config import TierConfig
+from raylane.config.batch import BatchConfig
+from raylane.deployments.protocol.errors import OpenAIError
+
+KEY_REVOKED = "api_key_revoked"
+BATCHES_NOT_ALLOWED = "batches_not_allowed"
+BUDGET_EXCEEDED = "batch_tokens_per_minute_exceeded"
+LINE_TOO_LARGE = "line_result_too_large"
+STOPS_BATCH = (KEY_REVOKED, BATCHES_NOT_ALLOWED)
+
+
+def batch_key_refused(tier: TierConfig | None) -> OpenAIError:
+    """For a key gone from the config (or its Secret), or whose tier no longer allows batches."""
+    if tier is None:
+        message = "The API key that made this batch is no longer valid."
+        return OpenAIError(message, status=403, code=KEY_REVOKED)
+    message = f"The tier '{tier.name}' of the API key that made this batch no longer allows batches."
+    return OpenAIError(message, status=403, code=BATCHES_NOT_ALLOWED)
+
+
+def batch_budget_exceeded(error: Exception) -> OpenAIError:
+    message = f"This API key's batch lines are over its tier's batch_tokens_per_minute: {error}"
+    return OpenAIError(message, status=429, code=BUDGET_EXCEEDED)
+
+
+def line_too_large(size: int, config: BatchConfig) -> OpenAIError:
+    limit = config.max_line_result_bytes
+    return OpenAIError(
+        f"The line's result is {size} bytes, more than a batch line may make "
+        f"({limit}, batch.max_line_result_bytes).",
+        status=413,
+        code=LINE_TOO_LARGE,
+    )

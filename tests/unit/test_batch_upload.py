@@ -1,0 +1,89 @@
+"""The gateway's side of an upload to /v1/files, without Ray: the body is parsed as it arrives and
+the file goes to the batch actor in chunks; the gateway never holds it whole."""
+
+import asyncio
+import tracemalloc
+from types import SimpleNamespace
+
+import pytest
+
+from raylane.config import TierConfig
+from raylane.config.batch import BatchConfig
+from raylane.deployments.gateway.batch_api import BatchApi
+from raylane.deployments.protocol.errors import OpenAIError
+from raylane.router import Principal
+
+BOUNDARY = b"unit-test-boundary"
+BLOCK = b"0123456789abcdef" * 4096  # 64 KiB, sent again and again: the test allocates no body
+
+
+class Remote:
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def remote(self, *args):
+        """Sent at once, as Ray sends a call (awaiting it is only waiting for its answer)."""
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(self.fn(*args))
+        return future
+
+
+class FakeActor:
+    """The batch actor's upload calls: counts the chunks it is handed, keeps none."""
+
+    def __init__(self) -> None:
+        self.chunks: list[int] = []
+        self.aborted: list[str] = []
+        self.begin_upload = Remote(lambda owner, key_id, declared: "u1")
+        self.upload_chunk = Remote(lambda upload_id, chunk: self.chunks.append(len(chunk)))
+        self.finish_upload = Remote(lambda upload_id, name, purpose: {"id": "file-1", "filename": name})
+        self.abort_upload = Remote(lambda upload_id: self.aborted.append(upload_id))
+
+
+class FakeRequest:
+    def __init__(self, blocks: int) -> None:
+        self.blocks = blocks
+        self.headers = {"content-type": f"multipart/form-data; boundary={BOUNDARY.decode()}"}
+
+    async def stream(self):
+        yield b"--" + BOUNDARY + b'\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        yield (
+            b"--"
+            + BOUNDARY
+            + b'\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n\r\n'
+        )
+        for _ in range(self.blocks):
+            yield BLOCK
+        yield b"\r\n--" + BOUNDARY + b"--\r\n"
+
+
+def batch_api(actor: FakeActor, max_file_bytes: int = 64 * 2**20) -> BatchApi:
+    config = SimpleNamespace(batch=BatchConfig(max_file_bytes=max_file_bytes), gateway=None)
+    api = BatchApi("app", config)
+    api._service = actor
+    return api
+
+
+PRINCIPAL = Principal("key-a", TierConfig(name="standard", priority=1, batches=True))
+
+
+async def test_a_32_mib_upload_passes_through_the_gateway_in_chunks_never_whole():
+    actor = FakeActor()
+    api = batch_api(actor)
+    tracemalloc.start()
+    try:
+        record = await api.upload(FakeRequest(blocks=512), PRINCIPAL)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert record == {"id": "file-1", "filename": "big.jsonl"}
+    assert sum(actor.chunks) == 512 * len(BLOCK) == 32 * 2**20 and max(actor.chunks) <= 2**20 + len(BLOCK)
+    assert peak < 4 * 2**20, f"the gateway held {peak / 2**20:.1f} MiB of a 32 MiB upload"
+
+
+async def test_an_upload_past_the_file_limit_is_stopped_and_its_reservation_given_back():
+    actor = FakeActor()
+    with pytest.raises(OpenAIError) as refused:
+        await batch_api(actor, max_file_bytes=2**20).upload(FakeRequest(blocks=64), PRINCIPAL)
+    assert refused.value.status == 413 and actor.aborted == ["u1"]
+    assert sum(actor.chunks) <= 2**20 + 64 * 1024 + len(BLOCK)  # it stopped reading there
