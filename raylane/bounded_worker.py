@@ -109,11 +109,7 @@ class BoundedWorker:
 
         def done(_) -> None:  # in the worker's thread, or here if cancelled before it ran
             with self._lock:
-                n = self.pending[key] - 1
-                if n:
-                    self.pending[key] = n
-                else:
-                    del self.pending[key]
+                self._release(key)
                 # What a call ahead costs the ones behind it: its wait and run, over the calls it waited for.
                 cost = (time.monotonic() - submitted) / (total + 1)
                 self._call_s = cost if self._call_s is None else self._call_s + 0.2 * (cost - self._call_s)
@@ -131,13 +127,17 @@ class BoundedWorker:
 
         def release() -> None:
             with self._lock:
-                n = self.pending[key] - 1
-                if n:
-                    self.pending[key] = n
-                else:
-                    del self.pending[key]
+                self._release(key)
 
         asyncio.get_running_loop().call_later(seconds, release)
+
+    def _release(self, key: str) -> None:
+        """One place of `key` given back (the lock held)."""
+        n = self.pending[key] - 1
+        if n:
+            self.pending[key] = n
+        else:
+            del self.pending[key]
 
     def _call(self, fn, args: tuple, timeout_s: float) -> Any:
         if self._process is None or not self._process.is_alive():
