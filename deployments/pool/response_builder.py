@@ -34,12 +34,18 @@ from raylane.deployments.protocol.tool_calls import ContentDelta, ToolCallStream
 
 class ResponseBuilder:
     def __init__(
-        self, echo: dict[str, Any], model: str, parse_tools: bool, reasoning: str | None, tokenizer
+        self,
+        echo: dict[str, Any],
+        model: str,
+        parse_tools: bool,
+        reasoning: str | None,
+        tokenizer,
+        forced_tools: bool = False,
     ) -> None:
         """`echo`: the request's fields the response repeats (deployments/protocol/responses_request.py)."""
         self.response = {**echo, "model": model, "status": "in_progress", "output": []}
         self.reasoning = ReasoningParser(reasoning) if reasoning else None
-        self.tools = ToolCallStreamParser() if parse_tools else None
+        self.tools = ToolCallStreamParser(forced_tools) if parse_tools else None
         self.tokenizer = tokenizer
         self.token_ids: list[int] = []
         self.seq = 0

@@ -136,7 +136,7 @@ class OpenAIServingChat(OpenAIServing):
         choices = []
         for comp in final.outputs:
             reasoning, text = self._split_reasoning(comp)
-            content, calls = parse_tool_calls(text) if plan.parse else (text, [])
+            content, calls = parse_tool_calls(text, plan.forced) if plan.parse else (text, [])
             message = ChatMessageOut(role="assistant", content=content)
             if reasoning is not None:
                 message.reasoning_content = reasoning
@@ -204,7 +204,7 @@ class OpenAIServingChat(OpenAIServing):
             return sse(body)
 
         n, prompt_tokens = params.n, len(first.prompt_token_ids)
-        parsers = [ToolCallStreamParser() if plan.parse else None for _ in range(n)]
+        parsers = [ToolCallStreamParser(plan.forced) if plan.parse else None for _ in range(n)]
         thinkers = [
             ReasoningParser(self.reasoning_parser) if self.reasoning_parser else None for _ in range(n)
         ]

@@ -72,7 +72,9 @@ class OpenAIServingResponses:
             yield responses_error(e)
             return
         model = served_model(chat.model_id, lora_request)
-        builder = ResponseBuilder(echo, model, plan.parse, self.reasoning_parser, chat.tokenizer)
+        builder = ResponseBuilder(
+            echo, model, plan.parse, self.reasoning_parser, chat.tokenizer, forced_tools=plan.forced
+        )
         # A resumed request's cache hits may cover its earlier output too; only the prompt's count.
         prompt_tokens = len(first.prompt_token_ids)
         cached = min(first.num_cached_tokens, prompt_tokens)

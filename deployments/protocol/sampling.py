@@ -37,6 +37,11 @@ class ToolPlan:
         return self.mode != "none"
 
     @property
+    def forced(self) -> bool:
+        """The output is grammar-constrained to tool calls (a named function, or `required`)."""
+        return self.mode in ("named", "required")
+
+    @property
     def finish_reason(self) -> str:
         # OpenAI reports "stop", not "tool_calls", when the request named the function to call.
         return "stop" if self.mode == "named" else "tool_calls"

@@ -112,11 +112,12 @@ def decode_call(body: str) -> ParsedToolCall | None:
     )
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedToolCall]]:
+def parse_tool_calls(text: str, forced: bool = False) -> tuple[str | None, list[ParsedToolCall]]:
     """(content, calls) of a finished text: the stream parser run once, so a response carries exactly
     what its stream would have. Content is the text before the first call (None if empty); text
-    that is not valid markup stays content; a call cut short (max_tokens) keeps its partial arguments."""
-    parser = ToolCallStreamParser()
+    that is not valid markup stays content, unless the calls were `forced`; a call cut short
+    (max_tokens) keeps its partial arguments."""
+    parser = ToolCallStreamParser(forced)
     calls: dict[int, ParsedToolCall] = {}
     content = ""
     for event in parser.feed(text) + parser.finish():
@@ -127,7 +128,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedToolCall]]:
         else:
             calls[event.index].arguments += event.arguments
     if not calls:
-        return text, []
+        return (None if forced else text), []
     return content or None, list(calls.values())
 
 
@@ -209,9 +210,12 @@ class ToolCallStreamParser:
 
     Content is emitted as it comes, except a tail that may begin `<tool_call>` (and whitespace right
     before it). Inside a call, the name goes out once it is complete, then the arguments' JSON text
-    as it grows; the closing brace of the call object is never part of them."""
+    as it grows; the closing brace of the call object is never part of them. `forced`: the output is
+    constrained to calls (a named or required tool choice), so markup that is not a call by the end
+    is a call that max_tokens cut short, never text: it is dropped, not sent as content."""
 
-    def __init__(self) -> None:
+    def __init__(self, forced: bool = False) -> None:
+        self._forced = forced
         self._mode = "content"  # content | call | after
         self._blank: list[str] = []  # held whitespace, in content or after a call
         self._partial = ""  # held after `_blank`: a proper start of `<tool_call>`
@@ -228,7 +232,7 @@ class ToolCallStreamParser:
     def finish(self) -> list[ContentDelta | ToolCallDelta]:
         """The text ended: release what was held back, close a call the model did not close."""
         out: list[ContentDelta | ToolCallDelta] = []
-        if self._mode == "content" and (held := "".join(self._blank) + self._partial):
+        if self._mode == "content" and (held := "".join(self._blank) + self._partial) and not self._forced:
             out.append(ContentDelta(held))
         elif self._mode == "call":
             self._close_call("".join(self._call.parts), closed=False, out=out)
@@ -308,7 +312,7 @@ class ToolCallStreamParser:
         call, parsed = self._call, decode_call(body)
         self._call, self._mode = None, "after"
         if parsed is None:
-            if not call.header_sent and call.gap is not None:  # not a call after all: it was text
+            if not call.header_sent and call.gap is not None and not self._forced:  # it was text
                 out.append(ContentDelta(call.gap + START + body + (END if closed else "")))
                 self._mode = "content"
             elif call.unsent and not closed:  # held back as a possible `</tool_call>`: it was not

@@ -389,7 +389,12 @@ def test_auto_tool_choice_parses_tool_call_markup(client):
     assert content[0] == "Let me check." and finish[0] == "tool_calls"
     assert calls[0][0]["name"] == "get_weather" and calls[0][0]["arguments"] == call.function.arguments
     fragments = [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
-    assert len(fragments) > 2  # the name first, then the arguments as they are generated
+    # The name goes out first, then the arguments as they are generated: how many chunks they take
+    # depends on how fast the engine runs against the stream batching interval (a fast step packs a
+    # whole call into two), so only the order is asserted.
+    first = fragments[0].choices[0].delta.tool_calls[0]
+    assert first.function.name == "get_weather" and not first.function.arguments
+    assert len(fragments) >= 2 and fragments[-1].choices[0].delta.tool_calls[0].function.arguments
     assert "<tool_call>" not in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 

@@ -124,3 +124,17 @@ def test_nesting_deeper_than_the_json_parser_is_not_an_error(opener):
     assert whole(text) == (text, [])
     assert streamed(text, 16) == ("", [("f", deep + "\n")])
     assert whole(f"<tool_call>{deep}</tool_call>") == (f"<tool_call>{deep}</tool_call>", [])
+
+
+@pytest.mark.parametrize(
+    "cut", ['<tool_call>\n{"name": "get_weather', "<tool_call>\n{", "<tool_", '  <tool_call>\n{"na']
+)
+def test_a_forced_call_cut_before_its_arguments_is_no_content(cut):
+    """A named or `required` tool choice constrains the output to calls: cut by max_tokens before its
+    arguments began, the markup is a call cut short, not text to show the client (it was returned as
+    `content`). Unforced, the same text stays content."""
+    assert parse_tool_calls(cut, forced=True) == (None, [])
+    parser = ToolCallStreamParser(forced=True)
+    events = [*parser.feed(cut[:5]), *parser.feed(cut[5:]), *parser.finish()]
+    assert not [e for e in events if isinstance(e, ContentDelta)]
+    assert parse_tool_calls(cut)[0] == cut
