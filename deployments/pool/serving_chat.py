@@ -63,25 +63,11 @@ class OpenAIServingChat(OpenAIServing):
         cache_salt: str = "",
     ) -> AsyncIterator[PoolItem]:
         """`resume`: continue a stream that a failed replica began (deployments/protocol/wire.py)."""
+        # Name the limit as the client did (max_completion_tokens wins when both are set).
+        output = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         try:
-            prompt_ids = await self.prompt_ids(req, plan)
-            # Name the limit as the client did (max_completion_tokens wins when both are set).
-            output = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-            self.check_length(len(prompt_ids), params.max_tokens, "messages", output)
-            kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-            engine_params = params.clone(output_kind=kind)
-            await self._compile(engine_params, grammar_param(req), tenant)
-            resumed = engine_resumption(resume, params.n)
-            first, gen = await self._start(
-                prompt_ids,
-                engine_params,
-                request_id,
-                "messages",
-                priority,
-                resumed,
-                tenant,
-                lora_request,
-                cache_salt,
+            prompt_ids, engine_params, first, gen = await self.start_chat(
+                req, params, plan, request_id, output, priority, resume, tenant, lora_request, cache_salt
             )
         except OpenAIError as e:
             yield e
@@ -108,6 +94,41 @@ class OpenAIServingChat(OpenAIServing):
                     yield chunk
             except EngineDeadError as e:
                 yield engine_failure(e, bool(req.stream), [gen])
+
+    async def start_chat(
+        self,
+        req: ChatCompletionRequest,
+        params: SamplingParams,
+        plan: ToolPlan,
+        request_id: str,
+        output_param: str,
+        priority: int,
+        resume: ResumeState | None,
+        tenant: str,
+        lora_request: LoRARequest | None,
+        cache_salt: str,
+    ) -> tuple[list[int], SamplingParams, RequestOutput, AsyncIterator[RequestOutput]]:
+        """Chat's and Responses' way into the engine: the prompt rendered and its length checked (the
+        limit named `output_param`), the grammar compiled within `tenant`'s share, the request
+        started: (prompt ids, the engine's parameters, its first output, the rest)."""
+        prompt_ids = await self.prompt_ids(req, plan)
+        self.check_length(len(prompt_ids), params.max_tokens, "messages", output_param)
+        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+        engine_params = params.clone(output_kind=kind)
+        await self._compile(engine_params, grammar_param(req), tenant)
+        resumed = engine_resumption(resume, params.n)
+        first, gen = await self._start(
+            prompt_ids,
+            engine_params,
+            request_id,
+            "messages",
+            priority,
+            resumed,
+            tenant,
+            lora_request,
+            cache_salt,
+        )
+        return prompt_ids, engine_params, first, gen
 
     async def prompt_ids(self, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
         """`render_chat`, off the event loop for a large prompt (deployments/pool/tokenize_offload.py)."""

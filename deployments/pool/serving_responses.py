@@ -15,7 +15,6 @@ from raylane.deployments.pool.response_builder import ResponseBuilder
 from raylane.deployments.pool.serving import (
     chain,
     engine_failure,
-    engine_resumption,
     final_item,
     last,
     served_model,
@@ -24,9 +23,9 @@ from raylane.deployments.pool.serving_chat import OpenAIServingChat
 from raylane.deployments.protocol.errors import OpenAIError
 from raylane.deployments.protocol.openai_schemas import ChatCompletionRequest
 from raylane.deployments.protocol.responses_request import responses_error
-from raylane.deployments.protocol.sampling import ToolPlan, grammar_param
+from raylane.deployments.protocol.sampling import ToolPlan
 from raylane.deployments.protocol.wire import PoolItem, ResumeState, StreamItem
-from raylane.engine import EngineDeadError, RequestOutput, RequestOutputKind, SamplingParams
+from raylane.engine import EngineDeadError, RequestOutput, SamplingParams
 from raylane.engine.lora import LoRARequest
 
 
@@ -51,19 +50,14 @@ class OpenAIServingResponses:
         (with the response's id and created_at) is the same for every replica that serves it."""
         chat = self.chat
         try:
-            prompt_ids = await chat.prompt_ids(req, plan)
-            chat.check_length(len(prompt_ids), params.max_tokens, "messages", "max_tokens")
-            kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-            engine_params = params.clone(output_kind=kind)
-            await chat._compile(engine_params, grammar_param(req), tenant)
-            resumed = engine_resumption(resume, params.n)
-            first, gen = await chat._start(
-                prompt_ids,
-                engine_params,
+            prompt_ids, engine_params, first, gen = await chat.start_chat(
+                req,
+                params,
+                plan,
                 request_id,
-                "messages",
+                "max_tokens",
                 priority,
-                resumed,
+                resume,
                 tenant,
                 lora_request,
                 cache_salt,
