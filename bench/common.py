@@ -127,17 +127,20 @@ def process_tree_cpu_by_name(root: int | None = None) -> dict[str, float]:
     return names
 
 
-def process_tree_pss_mib(root: int | None = None) -> dict[int, tuple[int, str, float]]:
+def process_tree_pss_mib(root: int | None = None, shmem: bool = True) -> dict[int, tuple[int, str, float]]:
     """pid -> (parent pid, `process_name`, proportional set size in MiB) of `root` (default: this
     process) and its descendants: memory that processes share (a forkserver's imports, libraries)
-    counts once between them, split evenly."""
+    counts once between them, split evenly. `shmem=False` leaves out shared-memory mappings: Ray's
+    object store, whose pages a process maps as large arguments pass through it (Ray's, bounded by
+    its `object_store_memory` and reused), not memory the process holds."""
     out = {}
     for pid, (ppid, _, _, cmdline) in _process_tree(root).items():
         try:
             rollup = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
         except OSError:
             continue  # exited meanwhile
-        pss_kib = next((int(line.split()[1]) for line in rollup if line.startswith("Pss:")), 0)
+        fields = {line.split(":")[0]: int(line.split()[1]) for line in rollup[1:]}
+        pss_kib = fields.get("Pss", 0) - (0 if shmem else fields.get("Pss_Shmem", 0))
         out[pid] = (ppid, process_name(cmdline), pss_kib / 1024)
     return out
 

@@ -66,6 +66,14 @@ class BatchConfig(StrictModel):
     max_concurrent_uploads_per_key: int = Field(
         2, ge=1, description="uploads to /v1/files one API key may have in progress at once (429 past it)"
     )
+    max_upload_bytes_per_minute_per_key: int = Field(
+        256 * 2**20,
+        ge=1,
+        description="bytes one API key may upload to /v1/files a minute (a bucket: an upload takes its "
+        "declared size before its body is read, a 429 with Retry-After past it, and gets back what it "
+        "did not send). Each MiB uploaded costs Serve's proxy and the gateway ~11 ms of CPU, so this "
+        "bounds what one key's uploads take from every other key's requests",
+    )
     max_concurrency: int = Field(
         8, ge=1, description="lines of all batches in flight at once, reached only while pools are idle"
     )

@@ -5,6 +5,7 @@ process, loaded on first use; `embed` returns L2-normalised vectors so a dot pro
 the cosine similarity.
 """
 
+import base64
 import functools
 import json
 import threading
@@ -12,6 +13,7 @@ import threading
 import numpy as np
 
 MODEL_NAME = "all-MiniLM-L6-v2"
+DIMENSIONS = 384  # of its vectors
 _lock = threading.Lock()
 
 
@@ -37,7 +39,7 @@ def vocab_size() -> int:
 
 
 def embed(texts: list[str], batch_size: int = 32) -> np.ndarray:
-    """[len(texts), 384] float32, unit length."""
+    """[len(texts), DIMENSIONS] float32, unit length."""
     with _lock:  # the tokenizer and model are not safe to call from several threads at once
         return _model().encode(texts, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True)
 
@@ -64,6 +66,24 @@ def embed_with_counts(inputs: list[str] | list[list[int]]) -> tuple[np.ndarray, 
     if inputs and isinstance(inputs[0], list):
         return embed_ids(inputs)
     return embed(inputs), count_tokens(inputs)
+
+
+def embed_items_json(
+    inputs: list[str] | list[list[int]], start: int, encoding_format: str
+) -> tuple[str, list[int]]:
+    """The `data` items of an embeddings response for `inputs` (their `index` counted from `start`),
+    as JSON joined by commas, and the tokens each used. Encoded in the worker that computed them: the
+    JSON of 2,048 vectors (~15 MB) took 0.14 s of the gateway's event loop, which every other key's
+    requests wait on."""
+    vectors, counts = embed_with_counts(inputs)
+    items = []
+    for i, vector in enumerate(vectors):
+        if encoding_format == "base64":
+            value = json.dumps(base64.b64encode(vector.astype("<f4").tobytes()).decode())
+        else:
+            value = json.dumps(vector.tolist(), separators=(",", ":"))
+        items.append(f'{{"object":"embedding","index":{start + i},"embedding":{value}}}')
+    return ",".join(items), counts
 
 
 def embed_ids(rows: list[list[int]]) -> tuple[np.ndarray, list[int]]:

@@ -30,7 +30,7 @@ from raylane.deployments.batch.lines import LineCaps
 from raylane.deployments.batch.quota import OUTPUT_FILES, QuotaError, StorageQuota
 from raylane.deployments.batch.runner import BatchRunner
 from raylane.deployments.batch.store import BatchStore, is_postgresql, now
-from raylane.deployments.batch.uploads import Uploads, quota_error, upload_prefix
+from raylane.deployments.batch.uploads import UploadBudget, Uploads, quota_error, upload_prefix
 from raylane.deployments.detached import detached_actor
 from raylane.deployments.metrics.batch import BatchMetrics, batch_reporter
 from raylane.deployments.protocol.errors import OpenAIError
@@ -58,7 +58,13 @@ class BatchService:
             left.unlink(missing_ok=True)
         self.quota = StorageQuota(self.store, self.config.max_files_per_key, self.config.max_bytes_per_key)
         max_file = self.config.max_file_bytes
-        self.uploads = Uploads(self.store, self.quota, self.config.max_concurrent_uploads_per_key, max_file)
+        self.uploads = Uploads(
+            self.store,
+            self.quota,
+            self.config.max_concurrent_uploads_per_key,
+            max_file,
+            UploadBudget(self.config.max_upload_bytes_per_minute_per_key),
+        )
         self.tasks: dict[str, asyncio.Task] = {}
         self.metrics = BatchMetrics()
         caps = LineCaps(max_body_bytes, self.config.max_line_n, self.config.max_line_tokens)

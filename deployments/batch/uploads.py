@@ -5,9 +5,9 @@ holds a whole file.
 `begin` comes before the gateway reads a byte of the body: it takes one of the key's
 `batch.max_concurrent_uploads_per_key` places (a 429 with Retry-After past it) and reserves the
 file and its declared size in the key's quota (deployments/batch/quota.py), both in one
-synchronous step of the actor's event loop, so no two uploads can pass the same last place. An
-upload that sends nothing for `IDLE_S` (its gateway replica died) is dropped, with its place and
-its reservation.
+synchronous step of the actor's event loop, so no two uploads can pass the same last place; it
+also takes the declared size from the key's upload budget (`UploadBudget`). An upload that sends
+nothing for `IDLE_S` (its gateway replica died) is dropped, with its place and its reservation.
 """
 
 from __future__ import annotations
@@ -37,13 +37,50 @@ class Upload:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # its chunks are written in order
 
 
+class UploadBudget:
+    """Bytes each key may upload a minute (`batch.max_upload_bytes_per_minute_per_key`), as a bucket
+    that refills continuously: an upload takes its declared size (the largest file when it declares
+    none) before its body is read, and gets back what it did not send. Serve's proxy reads a body as
+    fast as the client sends it, whatever the gateway does with it, so what bounds the CPU one key's
+    uploads take from everyone (~11 ms of the proxy's and the gateway's per MiB on 2 cores) is how
+    many bytes it may start sending."""
+
+    def __init__(self, per_minute: int) -> None:
+        self.per_minute = per_minute
+        self._level: dict[str, tuple[float, float]] = {}  # key -> (bytes left, when)
+
+    def take(self, key_id: str, size: int) -> None:
+        left = self._left(key_id)
+        if size > left:
+            wait = (min(size, self.per_minute) - left) * 60 / self.per_minute
+            raise OpenAIError(
+                f"This API key may upload {self.per_minute} bytes a minute "
+                f"(batch.max_upload_bytes_per_minute_per_key); this upload declares {size}: retry in "
+                f"{wait:.0f} s.",
+                status=429,
+                code="upload_rate_exceeded",
+                retry_after=max(1.0, wait),
+            )
+        self._level[key_id] = (left - size, time.monotonic())
+
+    def give_back(self, key_id: str, size: int) -> None:
+        self._level[key_id] = (self._left(key_id) + size, time.monotonic())
+
+    def _left(self, key_id: str) -> float:
+        left, when = self._level.get(key_id, (self.per_minute, 0.0))
+        return min(self.per_minute, left + (time.monotonic() - when) * self.per_minute / 60)
+
+
 def quota_error(e: QuotaError) -> OpenAIError:
     return OpenAIError(str(e), status=429, param=e.field, code="storage_quota_exceeded")
 
 
 class Uploads:
-    def __init__(self, store: BatchStore, quota: StorageQuota, max_per_key: int, max_bytes: int) -> None:
+    def __init__(
+        self, store: BatchStore, quota: StorageQuota, max_per_key: int, max_bytes: int, budget: UploadBudget
+    ) -> None:
         self.store, self.quota, self.max_per_key, self.max_bytes = store, quota, max_per_key, max_bytes
+        self.budget = budget
         self._uploads: dict[str, Upload] = {}
 
     def begin(self, owner: str, key_id: str, declared: int | None) -> str:
@@ -58,9 +95,11 @@ class Uploads:
                 retry_after=RETRY_AFTER_S,
             )
         reserved = min(declared, self.max_bytes) if declared is not None else self.max_bytes
+        self.budget.take(key_id, reserved)
         try:
             self.quota.reserve(owner, 1, reserved)
         except QuotaError as e:
+            self.budget.give_back(key_id, reserved)
             raise quota_error(e) from None
         upload_id = uuid.uuid4().hex
         path = self.store.files_dir / f"{upload_prefix(self.store.app)}{upload_id}"
@@ -95,6 +134,7 @@ class Uploads:
         async with upload.lock:
             del self._uploads[upload_id]
             self.quota.release(upload.owner, 0, upload.reserved - upload.written)
+            self.budget.give_back(upload.key_id, upload.reserved - upload.written)
             created = now()
             record = {
                 "id": f"file-{uuid.uuid4().hex}",
@@ -122,6 +162,7 @@ class Uploads:
         upload = self._uploads.pop(upload_id, None)
         if upload is not None:
             self.quota.release(upload.owner, 1, upload.reserved)
+            self.budget.give_back(upload.key_id, upload.reserved - upload.written)
             upload.path.unlink(missing_ok=True)
 
     def drop_idle(self) -> None:

@@ -3,15 +3,13 @@ computed in a bounded worker process beside the gateway, never on its event loop
 
 from __future__ import annotations
 
-import base64
-
-import numpy as np
+import json
 
 from raylane.bounded_worker import BoundedWorker, WorkerBusy, WorkerTimeout
 from raylane.config import EmbeddingsConfig
 from raylane.deployments.protocol.errors import invalid, model_not_found, unavailable
-from raylane.deployments.protocol.openai_schemas import Embedding, EmbeddingRequest, EmbeddingResponse, Usage
-from raylane.router.embeddings import embed_with_counts, start_worker, vocab_size
+from raylane.deployments.protocol.openai_schemas import EmbeddingRequest, Usage
+from raylane.router.embeddings import DIMENSIONS, embed_items_json, start_worker, vocab_size
 from raylane.router.errors import OverloadedError
 
 # Texts per turn on the embeddings worker: a call of 2,048 texts takes it in 64 turns, and a call
@@ -26,9 +24,21 @@ EMBEDDINGS_PRELOAD = ("raylane.router.embeddings", "sentence_transformers")
 _embeddings_worker: BoundedWorker | None = None
 
 
-async def create_embeddings(cfg: EmbeddingsConfig, req: EmbeddingRequest, key: str = "") -> EmbeddingResponse:
-    """The response to an authenticated, rate-checked and validated request from API key `key`; its
-    `usage` counts the tokens MiniLM read."""
+class ResultTooLarge(Exception):
+    """The response would pass the caller's `max_bytes` (a batch line's cap): `size` bytes made so far,
+    from `tokens` tokens read (what the caller charges: the work was done)."""
+
+    def __init__(self, size: int, tokens: int) -> None:
+        super().__init__(f"{size} bytes")
+        self.size, self.tokens = size, tokens
+
+
+async def create_embeddings(
+    cfg: EmbeddingsConfig, req: EmbeddingRequest, key: str = "", max_bytes: int | None = None
+) -> tuple[str, int]:
+    """The JSON of the `EmbeddingResponse` to an authenticated, rate-checked and validated request from
+    API key `key`, and the tokens MiniLM read (its `usage`). Past `max_bytes` of vectors, ResultTooLarge
+    at the end of that turn: the rest is never computed."""
 
     if not cfg.enabled or req.model != cfg.model_id:
         raise model_not_found(req.model)
@@ -37,14 +47,16 @@ async def create_embeddings(cfg: EmbeddingsConfig, req: EmbeddingRequest, key: s
         raise invalid("input", f"At most {cfg.max_inputs} inputs per request, got {len(inputs)}.")
     if isinstance(inputs[0], list):
         _check_token_ids(inputs, cfg.model_id)
-    vectors, counts = await _take_turns(inputs, key)
-    if req.dimensions is not None and req.dimensions != vectors.shape[1]:
-        raise invalid("dimensions", f"{cfg.model_id} returns {vectors.shape[1]} dimensions only.")
-    data = [
-        Embedding(index=i, embedding=_encode_vector(v, req.encoding_format)) for i, v in enumerate(vectors)
-    ]
+    if req.dimensions is not None and req.dimensions != DIMENSIONS:
+        raise invalid("dimensions", f"{cfg.model_id} returns {DIMENSIONS} dimensions only.")
+    items, counts = await _take_turns(inputs, key, req.encoding_format, max_bytes)
     usage = Usage(prompt_tokens=sum(counts), total_tokens=sum(counts))
-    return EmbeddingResponse(data=data, model=cfg.model_id, usage=usage)
+    # EmbeddingResponse's JSON, its items as the worker wrote them: joined here, not parsed again.
+    body = (
+        f'{{"object":"list","data":[{",".join(items)}],"model":{json.dumps(cfg.model_id)},'
+        f'"usage":{usage.to_json()}}}'
+    )
+    return body, usage.prompt_tokens
 
 
 def _inputs(value: str | list) -> list[str] | list[list[int]]:
@@ -72,17 +84,20 @@ def _check_token_ids(rows: list[list[int]], model_id: str) -> None:
                 )
 
 
-async def _take_turns(texts: list[str] | list[list[int]], key: str) -> tuple[np.ndarray, list[int]]:
-    """MiniLM's vectors and token counts of `texts`, TURN_TEXTS at a time, each turn queued on the
-    embeddings worker after the last one ends: calls arriving together are served turn by turn (the
-    worker's queue is first come, first served), and a call whose client has gone (the request task
-    is cancelled) stops after its current turn. API key `key` holds at most `MAX_CALLS_PER_KEY` calls
-    in a replica's queue; past that, or when the machine starves the worker, a 429 with Retry-After."""
-    vectors, counts = [], []
+async def _take_turns(
+    texts: list[str] | list[list[int]], key: str, encoding_format: str, max_bytes: int | None
+) -> tuple[list[str], list[int]]:
+    """The response items (JSON, `embed_items_json`) and token counts of `texts`, TURN_TEXTS at a
+    time, each turn queued on the embeddings worker after the last one ends: calls arriving together
+    are served turn by turn (the worker's queue is first come, first served), and a call whose client
+    has gone (the request task is cancelled) stops after its current turn. API key `key` holds at
+    most `MAX_CALLS_PER_KEY` calls in a replica's queue; past that, or when the machine starves the
+    worker, a 429 with Retry-After."""
+    items, counts = [], []
     for start in range(0, len(texts), TURN_TEXTS):
         try:
             part, part_counts = await _worker().run(
-                embed_with_counts, texts[start : start + TURN_TEXTS], key=key
+                embed_items_json, texts[start : start + TURN_TEXTS], start, encoding_format, key=key
             )
         except WorkerBusy as e:
             raise OverloadedError(
@@ -92,9 +107,11 @@ async def _take_turns(texts: list[str] | list[list[int]], key: str) -> tuple[np.
             ) from None
         except WorkerTimeout as e:  # 32 texts of at most 256 tokens each: not the client's doing
             raise unavailable(f"Computing embeddings failed: {e}.") from None
-        vectors.append(part)
+        items.append(part)
         counts += part_counts
-    return np.concatenate(vectors), counts
+        if max_bytes is not None and (size := sum(map(len, items))) > max_bytes:
+            raise ResultTooLarge(size, sum(counts))
+    return items, counts
 
 
 def _worker() -> BoundedWorker:
@@ -112,9 +129,3 @@ def _worker() -> BoundedWorker:
             max_pending_per_key=MAX_CALLS_PER_KEY,
         )
     return _embeddings_worker
-
-
-def _encode_vector(vector, encoding_format: str) -> list[float] | str:
-    if encoding_format == "base64":
-        return base64.b64encode(vector.astype("<f4").tobytes()).decode()
-    return vector.tolist()

@@ -39,7 +39,7 @@ from raylane.deployments.gateway.affinity import ConversationAffinity
 from raylane.deployments.gateway.batch_api import BatchApi, list_limit, owner, page
 from raylane.deployments.gateway.dispatch import Dispatcher, error_response
 from raylane.deployments.gateway.drain import RETRY_AFTER_S, DrainWatcher
-from raylane.deployments.gateway.embeddings import EMBEDDINGS_PRELOAD, create_embeddings
+from raylane.deployments.gateway.embeddings import EMBEDDINGS_PRELOAD, ResultTooLarge, create_embeddings
 from raylane.deployments.gateway.lora_adapters import LoRAAdapters
 from raylane.deployments.gateway.openapi import publish, route_docs
 from raylane.deployments.gateway.pool_call import admitted_pool_call
@@ -321,14 +321,16 @@ class Gateway:
         body = await self.read_charged(request, principal)  # its tokens estimated, before parsing
         return await self.serve_embeddings(principal, body, request.state.rate_charge)
 
-    async def serve_embeddings(self, principal: Principal, body: bytes, charge: RateCharge) -> Response:
+    async def serve_embeddings(
+        self, principal: Principal, body: bytes, charge: RateCharge, max_bytes: int | None = None
+    ) -> Response:
         req = await parse_bytes(body, EmbeddingRequest)
-        response = await create_embeddings(self.config.embeddings, req, principal.key_id)
+        response, tokens = await create_embeddings(self.config.embeddings, req, principal.key_id, max_bytes)
         # MiniLM's tokenizer reads every byte though the model reads only 256 tokens of an input:
         # settled with its count, never below the body's estimate.
         estimate = len(body) // PROMPT_BYTES_PER_TOKEN
-        charge.settle(max(response.usage.prompt_tokens, estimate))
-        return Response(response.to_json(), media_type="application/json")
+        charge.settle(max(tokens, estimate))
+        return Response(response, media_type="application/json")
 
     @app.post("/tokenize", **route_docs(TokenizeResponse, (TokenizeChatRequest, TokenizeCompletionRequest)))
     async def tokenize(self, request: Request) -> Response:
@@ -529,7 +531,11 @@ class Gateway:
         try:
             self.check_open()
             charge = self.router.check_rate(principal, len(body) // PROMPT_BYTES_PER_TOKEN)
-            response = await getattr(self, BATCH_SERVERS[endpoint])(principal, body, charge)
+            serve = getattr(self, BATCH_SERVERS[endpoint])
+            if endpoint == "/v1/embeddings":  # stops computing once past the line's cap
+                response = await serve(principal, body, charge, self.config.batch.max_line_result_bytes)
+            else:
+                response = await serve(principal, body, charge)
             pool = response.headers.get("x-raylane-pool")
             # Busy: interactive requests are on the pool (or anything waits): the batch steps back.
             busy = pool is not None and self.router.others_on(pool, BATCH_TIER)
@@ -537,6 +543,9 @@ class Gateway:
             if len(result) > self.config.batch.max_line_result_bytes:  # never shipped to the actor
                 return 413, json.dumps(line_too_large(len(result), self.config.batch).to_dict()), busy
             return response.status_code, result.decode(), busy
+        except ResultTooLarge as e:
+            charge.settle(max(e.tokens, len(body) // PROMPT_BYTES_PER_TOKEN))  # computed, then dropped
+            return 413, json.dumps(line_too_large(e.size, self.config.batch, at_least=True).to_dict()), busy
         except RateLimitError as e:  # the batch tier has only the key's batch tokens/min
             return 429, json.dumps(batch_budget_exceeded(e).to_dict()), busy
         except OpenAIError as e:

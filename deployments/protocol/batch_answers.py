@@ -30,11 +30,12 @@ def batch_budget_exceeded(error: Exception) -> OpenAIError:
     return OpenAIError(message, status=429, code=BUDGET_EXCEEDED)
 
 
-def line_too_large(size: int, config: BatchConfig) -> OpenAIError:
+def line_too_large(size: int, config: BatchConfig, at_least: bool = False) -> OpenAIError:
+    """`at_least`: the result was stopped once `size` bytes of it passed the cap."""
     limit = config.max_line_result_bytes
     return OpenAIError(
-        f"The line's result is {size} bytes, more than a batch line may make "
-        f"({limit}, batch.max_line_result_bytes).",
+        f"The line's result is {'at least ' if at_least else ''}{size} bytes, more than a batch line may "
+        f"make ({limit}, batch.max_line_result_bytes).",
         status=413,
         code=LINE_TOO_LARGE,
     )

@@ -118,7 +118,7 @@ def replica_rss_mb(app: str) -> dict[str, float]:
     return out
 
 
-def replica_tree_pss_mb(app: str) -> dict[str, float]:
+def replica_tree_pss_mb(app: str, shmem: bool = True) -> dict[str, float]:
     """Memory of each Serve replica of `app` with its child processes (bounded workers, a forkserver,
     an engine core), keyed by deployment, in MiB: the proportional set size, so that pages a forked
     worker shares with its forkserver count once between them, and a worker started mid-run adds
@@ -126,7 +126,7 @@ def replica_tree_pss_mb(app: str) -> dict[str, float]:
     from raylane.bench.common import process_tree_pss_mib
 
     replica = f"ServeReplica:{app}:"
-    tree = process_tree_pss_mib(root=1)  # every process on the machine
+    tree = process_tree_pss_mib(root=1, shmem=shmem)  # every process on the machine
     out: dict[str, float] = {}
     for pid, (_, _, pss) in tree.items():
         node = pid

@@ -293,3 +293,22 @@ async def test_a_keys_uploads_past_its_cap_are_refused_with_retry_after(tmp_path
     assert (await service.finish_upload(first, "a.jsonl", "batch"))["bytes"] == 2
     service.abort_upload(service.begin_upload("you", "k3", 100))  # an aborted upload frees its place
     assert service.quota.usage("you").files == 0
+
+
+async def test_a_keys_upload_bytes_a_minute_are_bounded_and_unsent_bytes_come_back(tmp_path):
+    """Each key's uploads take their declared size from its budget before a byte is read (Serve's
+    proxy moves a body whatever the gateway does with it): past it a 429 naming the setting, with a
+    Retry-After; an upload that sent less than it declared gives the rest back; other keys are apart."""
+    service = make_service(
+        tmp_path, max_upload_bytes_per_minute_per_key=1000, max_concurrent_uploads_per_key=4
+    )
+    first = service.begin_upload("me", "k", 600)
+    with pytest.raises(OpenAIError) as refused:
+        service.begin_upload("me", "k", 600)
+    assert refused.value.status == 429 and refused.value.code == "upload_rate_exceeded"
+    assert "batch.max_upload_bytes_per_minute_per_key" in refused.value.message
+    assert 1 <= refused.value.retry_after <= 60
+    service.abort_upload(service.begin_upload("you", "k2", 900))  # another key's budget is its own
+    await service.upload_chunk(first, b"x" * 100)
+    await service.finish_upload(first, "a.jsonl", "batch")  # sent 100 of 600: 500 come back
+    service.abort_upload(service.begin_upload("me", "k", 800))

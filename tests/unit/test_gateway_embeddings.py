@@ -2,15 +2,25 @@
 of many texts takes it turn by turn and a call from another key is answered between two turns."""
 
 import asyncio
+import base64
 
 import numpy as np
 import pytest
 
 from raylane.config import EmbeddingsConfig
-from raylane.deployments.gateway.embeddings import MAX_CALLS_PER_KEY, TURN_TEXTS, create_embeddings
-from raylane.deployments.protocol.openai_schemas import EmbeddingRequest
+from raylane.deployments.gateway import embeddings as gateway_embeddings
+from raylane.deployments.gateway.embeddings import MAX_CALLS_PER_KEY, TURN_TEXTS
+from raylane.deployments.protocol.openai_schemas import EmbeddingRequest, EmbeddingResponse
 from raylane.router import embeddings
 from raylane.router.errors import OverloadedError
+
+
+async def create_embeddings(cfg: EmbeddingsConfig, req: EmbeddingRequest, key: str = "") -> EmbeddingResponse:
+    """The gateway's answer read as a client reads it; its usage is the count the key is charged."""
+    body, tokens = await gateway_embeddings.create_embeddings(cfg, req, key)
+    answer = EmbeddingResponse.model_validate_json(body)
+    assert answer.usage.prompt_tokens == tokens
+    return answer
 
 
 def test_a_small_call_is_answered_between_the_turns_of_a_large_one():
@@ -69,3 +79,28 @@ def test_token_id_arrays_embed_like_the_text_they_encode():
     assert by_ids.usage.prompt_tokens == sum(map(len, ids))
     one = asyncio.run(create_embeddings(cfg, EmbeddingRequest(model=cfg.model_id, input=ids[1])))
     np.testing.assert_allclose(one.data[0].embedding, by_ids.data[1].embedding, atol=1e-6)
+
+
+def test_base64_vectors_are_the_float_vectors_bytes():
+    cfg = EmbeddingsConfig()
+    texts = [f"sentence number {i}" for i in range(TURN_TEXTS + 3)]  # two turns
+    floats = asyncio.run(create_embeddings(cfg, EmbeddingRequest(model=cfg.model_id, input=texts)))
+    packed = asyncio.run(
+        create_embeddings(cfg, EmbeddingRequest(model=cfg.model_id, input=texts, encoding_format="base64"))
+    )
+    decoded = [np.frombuffer(base64.b64decode(d.embedding), "<f4") for d in packed.data]
+    np.testing.assert_array_equal(decoded, np.array([d.embedding for d in floats.data], "<f4"))
+    assert [d.index for d in packed.data] == list(range(len(texts)))
+
+
+def test_a_capped_call_stops_at_the_turn_that_passes_its_cap():
+    """A batch line's embeddings stop computing once their JSON passes the line's cap (a 2,048-input
+    line makes ~15 MB): the error tells the size reached, one turn's worth, not the whole call's."""
+    cfg = EmbeddingsConfig()
+    texts = [f"text {i}" for i in range(4 * TURN_TEXTS)]
+    request = EmbeddingRequest(model=cfg.model_id, input=texts)
+    whole, _ = asyncio.run(gateway_embeddings.create_embeddings(cfg, request))
+    with pytest.raises(gateway_embeddings.ResultTooLarge) as stopped:
+        asyncio.run(gateway_embeddings.create_embeddings(cfg, request, max_bytes=1000))
+    assert 1000 < stopped.value.size < len(whole) / 3
+    assert stopped.value.tokens == sum(embeddings.count_tokens(texts[:TURN_TEXTS]))  # what it charges
