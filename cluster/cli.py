@@ -27,6 +27,10 @@ SUBCOMMANDS = {
         "raylane.cluster.batch_run",
         "run a batch file (OpenAI's batch JSONL) on the cluster with Ray Data, on spare capacity",
     ),
+    "sim-server": (
+        "raylane.cluster.sim_server",
+        "serve a simulated engine (a hardware profile, no weights) as an OpenAI server with vLLM's /metrics",
+    ),
     "status": (
         "raylane.cluster.status",
         "show the live cluster's pools, replicas, load, tokens/s and errors",

@@ -27,7 +27,14 @@ from raylane.config.cluster import (
 )
 from raylane.config.engine import EngineConfig, SpeculativeConfig
 from raylane.config.errors import ConfigError, field_path, format_errors
-from raylane.config.model_names import DEMO_MODELS, DEMO_PREFIX, PACKAGED_MODELS, PackagedModel
+from raylane.config.model_names import (
+    DEMO_MODELS,
+    DEMO_PREFIX,
+    PACKAGED_MODELS,
+    SIM_PREFIX,
+    SIM_PROFILES,
+    PackagedModel,
+)
 from raylane.config.pools import PoolConfig, ReplicaRoutingConfig, ReplicasConfig
 from raylane.config.router import (
     AUTO_MODELS,
@@ -56,6 +63,8 @@ __all__ = [
     "DEMO_PREFIX",
     "FOLLOWUP_LABEL",
     "PACKAGED_MODELS",
+    "SIM_PREFIX",
+    "SIM_PROFILES",
     "RESERVED_MODEL_IDS",
     "ApiKeysConfig",
     "CircuitBreakerConfig",

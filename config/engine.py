@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from raylane.config.base import StrictModel
+from raylane.config.model_names import SIM_PREFIX, SIM_PROFILES
 
 KV_CACHE_DTYPE_ON_FLASH = (
     "kv_cache_dtype: bfloat16 with attention_backend flash_varlen needs dtype bfloat16 (FlashAttention "
@@ -42,7 +43,23 @@ class EngineConfig(StrictModel):
         description="Local Hugging Face checkpoint directory (config.json + safetensors), or a .gguf file "
         "(llama, mistral, qwen2, qwen3; dequantized at load, see models/gguf.py)."
     )
-    tokenizer: str | None = Field(None, description="Tokenizer directory; defaults to `model`.")
+    tokenizer: str | None = Field(
+        None,
+        description="Tokenizer directory (or .gguf file); defaults to `model`, and for the simulated backend "
+        "to the tokenizer its profile names.",
+    )
+    backend: Literal["model", "simulated"] = Field(
+        "model",
+        description="model: run the checkpoint. simulated: no weights and no forward; the real scheduler, KV "
+        "block manager, prefix cache, preemption, LoRA slots and output path, with each step taking the time "
+        "`sim_profile`'s timing model gives it and tokens drawn deterministically from the prompt "
+        "(engine/sim/). A `model` of `sim:<profile>` sets this and `sim_profile`.",
+    )
+    sim_profile: str | None = Field(
+        None,
+        description=f"simulated: the hardware profile, one shipped ({', '.join(SIM_PROFILES)}) or the path "
+        "of a profile YAML file of the same shape.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights/activations dtype. auto: the checkpoint's dtype on GPU, float32 on CPU."
     )
@@ -225,10 +242,60 @@ class EngineConfig(StrictModel):
         return self.speculative_config is not None and self.speculative_config.method == "draft_model"
 
     @property
+    def simulated(self) -> bool:
+        return self.backend == "simulated"
+
+    @property
     def uses_core_process(self) -> bool:
-        """Whether AsyncLLM runs this engine in a process of its own."""
+        """Whether AsyncLLM runs this engine in a process of its own (never a simulated one: it steps on a
+        thread of the serving process, which its sleeps leave the GIL to)."""
+        if self.simulated:
+            return False
         one_rank_here = self.distributed_executor_backend != "ray" and self.world_size == 1
         return self.engine_core == "process" or (self.engine_core == "auto" and one_rank_here)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sim_model_name(cls, data):
+        """`model: sim:<profile>` is `backend: simulated` with that `sim_profile`."""
+        if not isinstance(data, dict) or not str(data.get("model", "")).startswith(SIM_PREFIX):
+            return data
+        profile = data["model"][len(SIM_PREFIX) :]
+        if data.get("sim_profile") not in (None, profile):
+            raise ValueError(f"sim_profile: {data['sim_profile']!r} contradicts model {data['model']!r}")
+        if data.get("backend", "simulated") != "simulated":
+            raise ValueError(f"backend: model {data['model']!r} is a simulated engine's; drop `backend`")
+        return {**data, "backend": "simulated", "sim_profile": profile}
+
+    @model_validator(mode="after")
+    def _simulated_settings(self) -> "EngineConfig":
+        if not self.simulated:
+            if self.sim_profile is not None:
+                raise ValueError("sim_profile: only the simulated backend has a profile (backend: simulated)")
+            return self
+        if not self.sim_profile:
+            raise ValueError(
+                f"sim_profile: the simulated backend needs a hardware profile ({', '.join(SIM_PROFILES)}, "
+                "or a profile YAML file)"
+            )
+        if self.sim_profile not in SIM_PROFILES and not self.sim_profile.endswith((".yaml", ".yml")):
+            raise ValueError(
+                f"sim_profile: unknown profile {self.sim_profile!r}; choose from {', '.join(SIM_PROFILES)} "
+                "or give a profile YAML file"
+            )
+        if self.speculative_config is not None:
+            raise ValueError("speculative_config: the simulated backend does not run speculative decoding")
+        if self.engine_core == "process":
+            raise ValueError(
+                "engine_core: the simulated backend steps on a thread of the serving process; use 'auto'"
+            )
+        if self.world_size > 1 or self.distributed_executor_backend == "ray":
+            raise ValueError(
+                "tensor_parallel_size: the simulated backend runs no ranks; its profile's timing stands for "
+                "the whole replica (leave tensor/expert parallel sizes at 1, distributed_executor_backend "
+                "auto)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _flash_varlen_pages(self) -> "EngineConfig":

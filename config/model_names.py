@@ -1,4 +1,5 @@
-"""The model names a pool's `model` may take besides a path: demo checkpoints and packaged models.
+"""The model names a pool's `model` may take besides a path: demo checkpoints, packaged models and
+simulated engines' hardware profiles.
 
 Only the names (and, for a packaged model, which package holds which file) live here, so the config
 can validate a pool without importing anything that builds or finds a checkpoint. Writing the demo
@@ -9,6 +10,10 @@ any pool on this node is `models/sources.py`'s.
 from dataclasses import dataclass
 
 DEMO_PREFIX = "demo:"
+SIM_PREFIX = "sim:"
+# The hardware profiles the simulated engine ships (engine/sim/profiles/<name>.yaml): `model: sim:<name>`
+# (or `engine.backend: simulated` with `engine.sim_profile`). A test holds this list to the files.
+SIM_PROFILES = ("llama-3.1-8b-h100", "llama-3.1-8b-l4")
 # The random-weight checkpoints `models/demo.py` writes (`model: demo:<name>`).
 DEMO_MODELS = ("raylane-llama-tiny", "raylane-qwen3-moe-tiny")
 

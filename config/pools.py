@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from raylane.config.base import StrictModel
 from raylane.config.engine import EngineConfig
-from raylane.config.model_names import DEMO_MODELS, DEMO_PREFIX, PACKAGED_MODELS
+from raylane.config.model_names import DEMO_MODELS, DEMO_PREFIX, PACKAGED_MODELS, SIM_PREFIX, SIM_PROFILES
 
 
 class ReplicasConfig(StrictModel):
@@ -138,7 +138,9 @@ class PoolConfig(StrictModel):
     model: str = Field(
         description="Checkpoint directory (config.json + safetensors + tokenizer), a .gguf file, the name "
         f"of a model installed as a package ({', '.join(PACKAGED_MODELS)}), or `demo:<name>` for a "
-        f"random-weight demo checkpoint ({', '.join(DEMO_MODELS)}), created on first start.",
+        f"random-weight demo checkpoint ({', '.join(DEMO_MODELS)}), created on first start, or "
+        f"`sim:<profile>` for a simulated engine with that hardware profile ({', '.join(SIM_PROFILES)}): "
+        "no weights, step times from the profile (engine/sim/).",
     )
     served_model_name: str | None = Field(
         None,
@@ -237,8 +239,13 @@ class PoolConfig(StrictModel):
     @field_validator("model")
     @classmethod
     def _known_demo_or_absolute(cls, model: str) -> str:
-        """Demo names must exist; a relative path is taken from where the config is loaded, since
-        replicas run in other working directories."""
+        """Demo names and simulated profiles must exist; a relative path is taken from where the config
+        is loaded, since replicas run in other working directories."""
+        if model.startswith(SIM_PREFIX):
+            if model[len(SIM_PREFIX) :] not in SIM_PROFILES:
+                choices = ", ".join(SIM_PROFILES)
+                raise ValueError(f"unknown simulated profile {model!r}; choose from {choices}")
+            return model
         if not model.startswith(DEMO_PREFIX):
             return _absolute(model)
         if model[len(DEMO_PREFIX) :] not in DEMO_MODELS:
@@ -254,12 +261,20 @@ class PoolConfig(StrictModel):
         return self.model[len(DEMO_PREFIX) :] if self.model.startswith(DEMO_PREFIX) else None
 
     @property
+    def sim_profile(self) -> str | None:
+        """The hardware profile of a simulated pool (`model: sim:<profile>`), else None."""
+        return self.model[len(SIM_PREFIX) :] if self.model.startswith(SIM_PREFIX) else None
+
+    @property
     def packaged_model(self) -> str | None:
         return self.model if self.model in PACKAGED_MODELS else None
 
     def engine_config(self, model_path: str | None = None) -> EngineConfig:
         """The engine's config for the checkpoint at `model_path` on this node; by default the pool's
-        `model`, when that is a path (a demo or packaged model is found by `raylane.models.sources`)."""
+        `model`, when that is a path (a demo or packaged model is found by `raylane.models.sources`).
+        A simulated pool's engine has no checkpoint: its config as it is."""
+        if self.sim_profile is not None:
+            return self.engine
         if model_path is None:
             if self.demo_model is not None or self.packaged_model is not None:
                 raise ValueError(
@@ -291,6 +306,6 @@ class PoolConfig(StrictModel):
 
 
 def _absolute(path: str) -> str:
-    if path.startswith(DEMO_PREFIX) or path in PACKAGED_MODELS:
+    if path.startswith((DEMO_PREFIX, SIM_PREFIX)) or path in PACKAGED_MODELS:
         return path
     return os.path.abspath(os.path.expanduser(path))

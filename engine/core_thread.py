@@ -1,8 +1,9 @@
 """The engine core on a daemon thread of the serving process (`engine_core: thread`).
 
 The counterpart of `engine/core_proc.py` for ranks that are Ray actors already (and for a
-placement group handed in): the `EngineLoop` steps the engine here, and torch releases the GIL
-inside its kernels. Commands go in on a queue; events go to `on_events` on the engine thread.
+placement group handed in) and for the simulated engine: the `EngineLoop` steps the engine here, and
+torch releases the GIL inside its kernels (the simulated engine's steps sleep). Commands go in on a
+queue; events go to `on_events` on the engine thread.
 """
 
 import queue
@@ -10,14 +11,14 @@ import threading
 from collections.abc import Callable
 
 from raylane.config import EngineConfig
+from raylane.engine.backends import make_engine
 from raylane.engine.core_messages import Command, Event, Shutdown
 from raylane.engine.engine_loop import EngineLoop, queue_receiver
-from raylane.engine.llm_engine import LLMEngine
 
 
 class EngineCoreThread:
     def __init__(self, config: EngineConfig, placement_group, on_events: Callable[[list[Event]], None]):
-        self.engine = LLMEngine(config, placement_group)
+        self.engine = make_engine(config, placement_group)
         self.max_model_len = self.engine.max_model_len
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         loop = EngineLoop(self.engine, queue_receiver(self._commands), on_events)

@@ -3,7 +3,7 @@
 from collections.abc import Sequence
 
 from raylane.config import EngineConfig
-from raylane.engine.llm_engine import LLMEngine
+from raylane.engine.backends import make_engine
 from raylane.engine.lora import LoRARequest
 from raylane.engine.outputs import RequestOutput
 from raylane.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -17,7 +17,7 @@ class LLM:
     garbage collector frees its engine (the engine's finalizer)."""
 
     def __init__(self, model: str, **engine_args):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.engine = make_engine(EngineConfig(model=model, **engine_args))
 
     def shutdown(self) -> None:
         """Release the engine's resources now; idempotent. Later `generate` calls raise `EngineDeadError`."""

@@ -22,11 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from raylane.engine.request import Request
 
 if TYPE_CHECKING:  # the serving process imports this module (through the output processor), not the model's
+    import torch
+
     from raylane.engine.model_runner import ModelInput
 
 # Rows whose log-softmax is taken at once: bounds the float32 temporaries to this many rows x vocab.
@@ -74,6 +74,8 @@ def position_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> lis
     """Row i of `logits` (raw model logits) scored at `token_ids[i]`: its logprob (log-softmax in
     float32), its rank (the tokens at least as likely, itself included, as vLLM counts) and the row's
     top-k. A few small copies to the host per pass of ROWS_PER_PASS rows."""
+    import torch  # here: the output processor imports this module where no model runs (a simulated engine)
+
     k = min(k, logits.shape[-1])
     read: list[PositionLogprobs] = []
     for begin in range(0, len(token_ids), ROWS_PER_PASS):

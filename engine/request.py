@@ -3,12 +3,13 @@
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from raylane.engine.lora import LoRARequest
 from raylane.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +73,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
-    generator: torch.Generator | None = None
+    # The seeded request's own generator, made on first use (`generator`): a simulated engine, which
+    # samples nothing, never imports torch for it.
+    own_generator: "torch.Generator | None" = None
     grammar: Any = None  # a structured-output matcher state when the request is constrained
     first_token_time: float | None = None
     # Speculative decoding: this step's unverified draft tokens (never in all_token_ids) and, from a
@@ -87,8 +90,15 @@ class Request:
         self.parent_id = self.parent_id or self.request_id
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def generator(self) -> "torch.Generator | None":
+        """The generator of a request with a seed (made from it on first use), else None."""
+        if self.own_generator is None and self.sampling_params.seed is not None:
+            import torch
+
+            self.own_generator = torch.Generator().manual_seed(self.sampling_params.seed)
+        return self.own_generator
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,7 +2,7 @@
 
 import os
 
-from raylane.models.gguf import checkpoint_dir
+from raylane.models.gguf_sidecar import checkpoint_dir
 
 
 def load_tokenizer(path: str):

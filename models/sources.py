@@ -17,6 +17,8 @@ from raylane.models.packaged import packaged_model_path
 def model_path(pool: PoolConfig) -> str:
     """The pool's checkpoint on this node (demo models live in `default_demo_dir()`, packaged ones in
     their package); `PackagedModelMissing` when a packaged model is not installed."""
+    if pool.sim_profile is not None:  # a simulated engine: no checkpoint (its tokenizer is its profile's)
+        return pool.model
     if pool.demo_model is not None:
         return str(default_demo_dir() / pool.demo_model)
     if pool.packaged_model is not None:
@@ -44,6 +46,8 @@ def missing_checkpoints(config: ClusterConfig) -> list[str]:
 
     missing = []
     for i, p in enumerate(config.pools):
+        if p.sim_profile is not None:
+            continue
         where = f"pools[{i}] ({p.name}).model"
         try:
             path = model_path(p)

@@ -1,10 +1,10 @@
 """Live apps for integration and reliability tests (fixtures registered in tests/conftest.py).
 
-Serve the OpenAI API once per test session: two small pools (the demo Llama as `chat`, with two
+Serve the OpenAI API once per test session: three small pools (the demo Llama as `chat`, with two
 LoRA adapters PEFT makes for it, the demo Qwen3-MoE as `reasoning`, with the `qwen3` reasoning
-parser) behind the gateway, on a free local port. Router tests get a second app on the same Serve
-(`router_server`, under /router): API keys, tiers, routes, tiny pool capacities, and pools whose
-failures a test can switch on."""
+parser, a simulated engine as `sim`) behind the gateway, on a free local port. Router tests get a
+second app on the same Serve (`router_server`, under /router): API keys, tiers, routes, tiny pool
+capacities, and pools whose failures a test can switch on."""
 
 import contextlib
 import os
@@ -87,6 +87,8 @@ def make_cluster_config(demo_models: dict, port: int):
                     "engine": engine,
                     "reasoning_parser": "qwen3",  # <think> parsed out (test_reasoning_output.py)
                 },
+                # a simulated engine (engine/sim/): no weights, step times from its profile (test_sim_pool.py)
+                {"name": "sim", "model": "sim:llama-3.1-8b-h100", "engine": {"cpus_per_rank": 0.1}},
             ],
         }
     )

@@ -79,11 +79,13 @@ class ModelPool:
         self.metrics = PoolMetrics(self.pool.name, self.pool.model_id)
         self.reporter = MetricsReporter(self.metrics, self._gauges)
         metered = MeteredLLM(self.llm, self.metrics)
-        # A client's grammar compiles in a worker process, bounded in time, not on the engine loop.
-        self.grammar = GrammarCompileService(
-            lambda: self.llm.run_in_engine(tokenizer_info_json), self.pool.grammar_compile_timeout_s
-        )
-        start_forkserver(COMPILE_PRELOAD)  # its worker's imports, now rather than for the first grammar
+        self.grammar = None
+        if not config.simulated:  # which runs no grammars: no worker, whose forkserver imports torch
+            # A client's grammar compiles in a worker process, bounded in time, not on the engine loop.
+            self.grammar = GrammarCompileService(
+                lambda: self.llm.run_in_engine(tokenizer_info_json), self.pool.grammar_compile_timeout_s
+            )
+            start_forkserver(COMPILE_PRELOAD)  # its worker's imports, now rather than for the first grammar
         args = (metered, self.pool.model_id, self.llm.max_model_len, self.grammar)
         self.chat_serving = OpenAIServingChat(*args)
         self.completion_serving = OpenAIServingCompletion(*args)

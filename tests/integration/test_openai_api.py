@@ -495,7 +495,7 @@ def test_embeddings_place_related_sentences_closer(client):
 
 def test_models_list_and_retrieve(client):
     ids = [m.id for m in client.models.list()]
-    assert ids == ["raylane-llama-tiny", "reasoning", "alpha", "beta", "all-MiniLM-L6-v2"]  # 2 LoRAs
+    assert ids == ["raylane-llama-tiny", "reasoning", "sim", "alpha", "beta", "all-MiniLM-L6-v2"]  # 2 LoRAs
     model = client.models.retrieve("reasoning")
     assert model.id == "reasoning" and model.object == "model" and model.owned_by == "raylane"
 
@@ -562,7 +562,7 @@ def test_health_reports_each_pool(api_server):
     r = httpx2.get(f"{api_server.url}/health", timeout=30)
     assert r.status_code == 200
     body = r.json()
-    assert body["status"] == "ok" and set(body["pools"]) == {"chat", "reasoning"}
+    assert body["status"] == "ok" and set(body["pools"]) == {"chat", "reasoning", "sim"}
     assert all(p["status"] == "ok" for p in body["pools"].values())
 
 
