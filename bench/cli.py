@@ -24,6 +24,7 @@ BENCHMARKS = {
     "lora": "raylane.bench.lora",
     "accuracy": "raylane.bench.accuracy",
     "serving-cpu": "raylane.bench.serving_cpu",
+    "scale": "raylane.bench.scale",
 }
 
 

@@ -11,11 +11,13 @@ runs none.
 """
 
 import argparse
+import logging
 import time
 import uuid
 from contextlib import aclosing
 
 MEDIA_SSE = "text/event-stream"
+logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -136,14 +138,16 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = await parse_bytes(await request.body(), ChatCompletionRequest)
+        req = await parse_bytes(
+            known_fields(await request.body(), ChatCompletionRequest), ChatCompletionRequest
+        )
         check(req)
         params, plan = chat_params(req)
         return await respond(chat.chat(req, params, plan, uuid.uuid4().hex), bool(req.stream))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await parse_bytes(await request.body(), CompletionRequest)
+        req = await parse_bytes(known_fields(await request.body(), CompletionRequest), CompletionRequest)
         check(req)
         params = completion_params(req)
         return await respond(completion.completion(req, params, uuid.uuid4().hex), bool(req.stream))
@@ -176,6 +180,27 @@ def build_app(
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def known_fields(body: bytes, schema) -> bytes:
+    """The body without the top-level fields `schema` does not know, as `vllm serve` takes a request
+    (it logs and ignores them; raylane's gateway refuses them, as OpenAI does): routers add their own,
+    vllm-router's `no_stop_trim` among them."""
+    import json
+
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return body  # the schema's parse names the problem
+    if not isinstance(request, dict):
+        return body
+    known = {name for name, field in schema.model_fields.items()} | {
+        field.alias for field in schema.model_fields.values() if field.alias
+    }
+    if unknown := set(request) - known:
+        logger.info("ignored request fields: %s", sorted(unknown))
+        return json.dumps({k: v for k, v in request.items() if k in known}).encode()
+    return body
 
 
 def sse_text(item) -> str:
