@@ -16,6 +16,7 @@ import weakref
 
 import torch
 
+from raylane import tracing
 from raylane.config import EngineConfig
 from raylane.engine.block_manager import BlockManager
 from raylane.engine.errors import EngineDeadError
@@ -26,6 +27,7 @@ from raylane.engine.output_processor import OutputProcessor
 from raylane.engine.outputs import RequestOutput
 from raylane.engine.prompt_logprobs import PromptLogprobRows, add_prompt_rows
 from raylane.engine.request import Request, RequestStatus, Resumption
+from raylane.engine.request_trace import RequestTrace, emit_spans, is_prefill
 from raylane.engine.sampler import Sampler
 from raylane.engine.sampling_params import SamplingParams
 from raylane.engine.scheduler import Scheduler, SchedulerOutput
@@ -91,6 +93,7 @@ class LLMEngine:
                 target=self._prepare_structured_output, daemon=True, name="xgrammar-init"
             ).start()
         self._ids = itertools.count()
+        self._num_traced = 0  # requests here with a RequestTrace: none, and a step records nothing
         self._lora_paths: dict[int, str] = {}  # adapter id -> its directory, once validated
         # adapter id -> its weights as read then: adapters are the operator's (config, admin loads)
         self._lora_weights: dict[int, AdapterWeights] = {}
@@ -128,12 +131,14 @@ class LLMEngine:
         tenant: str = "",
         lora_request: LoRARequest | None = None,
         cache_salt: str = "",
+        trace: dict[str, str] | None = None,
     ) -> str:
         """`resume`: the output each sample already produced on a replica that died; the request
         continues after it (engine/request.py `Resumption`). `tenant`: whose request it is (the
         scheduler shares each priority's slots between tenants). `lora_request`: the adapter to run
         it with (an engine with `enable_lora`). `cache_salt` (vLLM's): the prefix-cache scope; its
-        blocks are shared only with requests of the same salt."""
+        blocks are shared only with requests of the same salt. `trace`: the caller's W3C carrier; with
+        tracing on in this process the request's timeline becomes spans under it when it ends."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has_request(request_id):
@@ -148,6 +153,9 @@ class LLMEngine:
         samples = self._fan_out(request_id, token_ids, params, priority, arrival_time, resume)
         for sample in samples:
             sample.tenant, sample.lora, sample.cache_salt = tenant, lora_request, cache_salt
+            if trace is not None and tracing.enabled() and not sample.status.finished:
+                sample.trace = RequestTrace(trace)
+                self._num_traced += 1
         self.output_processor.add_request(request_id, prompt, params, samples)
         for sample in samples:
             if not sample.status.finished:  # a resumed sample that had ended is not run again
@@ -274,8 +282,14 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.requests:
             return []
+        traced = self._traced_rows(scheduled) if self._num_traced else None
+        started = time.monotonic() if traced else 0.0
         batch, sampling, prompt_rows = self._prepare_input(scheduled)
         logits = self._execute(batch)
+        if traced:  # before sampling: a request that ends in this step emits its spans there
+            ended = time.monotonic()
+            for request, num_new, prefill in traced:
+                request.trace.step(started, ended, num_new, prefill)
         for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
             # Drafts count as computed only once verified (below).
             request.num_computed_tokens += num_new - len(request.spec_token_ids)
@@ -297,6 +311,15 @@ class LLMEngine:
                 self._verify_drafts(request, logits[row : row + len(request.spec_token_ids) + 1])
         return self.output_processor.make_outputs([request for _, request in sampling])
 
+    @staticmethod
+    def _traced_rows(scheduled: SchedulerOutput) -> list[tuple[Request, int, bool]]:
+        """(request, tokens computed, whether a prefill chunk) of the step's traced requests."""
+        return [
+            (r, n, is_prefill(r))
+            for r, n in zip(scheduled.requests, scheduled.num_new_tokens, strict=True)
+            if r.trace is not None
+        ]
+
     def _verify_drafts(self, request: Request, logits: torch.Tensor) -> None:
         """Keep the accepted drafts and the target's next token; roll the rejected drafts' KV back."""
         drafts, draft_probs = request.spec_token_ids, request.spec_draft_probs
@@ -304,6 +327,8 @@ class LLMEngine:
         tokens = self.rejection_sampler(logits, drafts, draft_probs, request)
         num_accepted = len(tokens) - 1
         self.spec_decode_stats.observe(len(drafts), num_accepted)
+        if request.trace is not None:
+            request.trace.verified(len(drafts), num_accepted)
         for token in tokens:
             self._append_token(request, token, None)
             if request.status.finished:
@@ -392,6 +417,10 @@ class LLMEngine:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish(request, status)
+        if request.trace is not None:
+            self._num_traced -= 1
+            emit_spans(request, status.finish_reason)
+            request.trace = None
         if self.proposer is not None:
             self.proposer.free(request)
         self.output_processor.finish_request(request)
