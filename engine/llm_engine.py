@@ -27,7 +27,8 @@ from raylane.engine.output_processor import OutputProcessor
 from raylane.engine.outputs import RequestOutput
 from raylane.engine.prompt_logprobs import PromptLogprobRows, add_prompt_rows
 from raylane.engine.request import Request, RequestStatus, Resumption
-from raylane.engine.request_trace import RequestTrace, emit_spans, is_prefill
+from raylane.engine.request_spans import emit_spans, is_prefill
+from raylane.engine.request_trace import RequestTrace
 from raylane.engine.sampler import Sampler
 from raylane.engine.sampling_params import SamplingParams
 from raylane.engine.scheduler import Scheduler, SchedulerOutput
