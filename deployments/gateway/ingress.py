@@ -519,13 +519,28 @@ class Gateway:
         update_router(self.router, self.config, self.router.classifier, self.lora.by_pool())
 
     async def run_batch_line(
-        self, key_id: str, endpoint: str, body: bytes, check_key: bool = True
+        self, key_id: str, endpoint: str, body: bytes, check_key: bool = True, trace: dict | None = None
     ) -> tuple[int, str, bool]:
         """One line of a batch (called by the batch actor), served as a request of the `batch` tier
         from the key that made the batch: (status, JSON body, whether other tiers were using its pool).
         `check_key`: the key must still be known and its tier allow batches (else a 403 that stops the
         batch: `raylane batch run`, an operator's job, names no key); its tier's
-        `batch_tokens_per_minute` is charged (past it, a 429 the batch waits out)."""
+        `batch_tokens_per_minute` is charged (past it, a 429 the batch waits out). `trace`: the
+        batch's span's carrier: the line is traced as its child."""
+        span = tracing.start(f"batch line {endpoint}", parent=trace, kind="server") if trace else None
+        token, status = tracing.attach(span), 500
+        try:
+            status, result, busy = await self._run_batch_line(key_id, endpoint, body, check_key)
+            return status, result, busy
+        finally:
+            tracing.detach(token)
+            tracing.end(
+                span, error="failed" if status >= 500 else None, **{"http.response.status_code": status}
+            )
+
+    async def _run_batch_line(
+        self, key_id: str, endpoint: str, body: bytes, check_key: bool
+    ) -> tuple[int, str, bool]:
         key_tier = self.router.tier_of_key(key_id) if check_key else None
         if check_key and (key_tier is None or not key_tier.batches):
             return 403, json.dumps(batch_key_refused(key_tier).to_dict()), False
