@@ -170,7 +170,7 @@ class Dispatcher:
                 logger.info("request %s (%s) not served: %s", request_id, principal.key_id, e)
                 return JSONResponse(e.to_openai(), status_code=e.status, headers=headers | e.headers())
             attempt += 1
-            model = self.config.pool(slot.pool).model_id
+            model = self.config.pool(slot.pool).model_id if tracing.enabled() else ""
             call_span = start_pool_call(request, slot.pool, model, attempt)
             call = request.call(self.pools[slot.pool], trace=tracing.carrier(call_span))
             first = await self.first_item(call, slot, plan)

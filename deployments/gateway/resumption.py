@@ -133,7 +133,7 @@ class Resumer:
                 if not await self._up(target):
                     break  # still down: the next target
                 self.count += 1
-                model = self.config.pool(target).model_id
+                model = self.config.pool(target).model_id if tracing.enabled() else ""
                 span = start_pool_call(self.request, target, model, self.count + 1, parent, sent)
                 resume = None if state is None else _copy(state)
                 call = self.request.call(self.pools[target], resume, trace=tracing.carrier(span))
