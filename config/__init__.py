@@ -6,6 +6,7 @@ engine, deployments, the CLI) can import it without pulling in another. The modu
 - `cluster.py`: `ClusterConfig` (HTTP listener, gateway, embeddings, pools, router sections), loading;
 - `pools.py`: `PoolConfig`, `ReplicasConfig`, `ReplicaRoutingConfig`;
 - `engine.py`: `EngineConfig`, `SpeculativeConfig` (one engine);
+- `observability.py`: `ObservabilityConfig`, `TracingConfig` (OpenTelemetry traces);
 - `router.py`: routes, tiers and API keys (`router/` reads these and nothing else);
 - `model_names.py`: the demo and packaged model names a pool's `model` may take;
 - `base.py`, `errors.py`: the strict base model, `ConfigError`.
@@ -35,6 +36,7 @@ from raylane.config.model_names import (
     SIM_PROFILES,
     PackagedModel,
 )
+from raylane.config.observability import ObservabilityConfig, TracingConfig
 from raylane.config.pools import PoolConfig, ReplicaRoutingConfig, ReplicasConfig
 from raylane.config.router import (
     AUTO_MODELS,
@@ -78,6 +80,7 @@ __all__ = [
     "GatewayConfig",
     "HttpConfig",
     "LogsConfig",
+    "ObservabilityConfig",
     "PackagedModel",
     "PoolConfig",
     "ReplicaRoutingConfig",
@@ -87,6 +90,7 @@ __all__ = [
     "SpeculativeConfig",
     "StrictModel",
     "TierConfig",
+    "TracingConfig",
     "Tiers",
     "default_config",
     "default_routes",

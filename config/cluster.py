@@ -18,6 +18,7 @@ from pydantic import Field, ValidationError, model_validator
 from raylane.config.base import StrictModel
 from raylane.config.batch import BATCH_TIER, BatchConfig
 from raylane.config.errors import ConfigError, format_errors
+from raylane.config.observability import ObservabilityConfig
 from raylane.config.pools import PoolConfig
 from raylane.config.router import ApiKeysConfig, RouterConfig, Tiers, default_tiers
 
@@ -204,6 +205,9 @@ class ClusterConfig(StrictModel):
     logs: LogsConfig = Field(default_factory=LogsConfig, description="What Ray Serve itself logs.")
     batch: BatchConfig = Field(
         default_factory=BatchConfig, description="The Batch API (/v1/files, /v1/batches) on spare capacity."
+    )
+    observability: ObservabilityConfig = Field(
+        default_factory=ObservabilityConfig, description="OpenTelemetry traces of requests (off by default)."
     )
 
     @model_validator(mode="after")

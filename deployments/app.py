@@ -165,13 +165,14 @@ def build_live_app(
     the gateway reads its config from the recorded one that `live` names. `keep_pools`: pools of the
     running app that `config` leaves out, kept while the gateway stops sending them requests."""
     access_log = config.logs.serve_access_log
+    tracing = config.observability.tracing
     has_gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
     pools = {}
     for pool in [*config.pools, *keep_pools]:
         deployment = serve.deployment(ModelPool, **pool_deployment_options(pool, access_log, has_gpus))
         if live is not None:
-            deployment = deployment.options(version=pool_version(pool), _internal=True)
-        pools[pool.name] = deployment.bind(pool, prepare_engine_config)
+            deployment = deployment.options(version=pool_version(pool, tracing), _internal=True)
+        pools[pool.name] = deployment.bind(pool, prepare_engine_config, tracing)
     gateway = serve.deployment(Gateway, **gateway_deployment_options(config))
     if live is not None:
         gateway = gateway.options(

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from raylane.config import ClusterConfig, PoolConfig
+from raylane.config import ClusterConfig, PoolConfig, TracingConfig
 from raylane.config.router import key_digest
 
 NAMESPACE = "raylane"
@@ -78,8 +78,13 @@ def replica_settings(pool: PoolConfig) -> dict:
     return pool.model_dump(mode="json", exclude=set(POOL_FIELDS_OUTSIDE_THE_REPLICA))
 
 
-def pool_version(pool: PoolConfig) -> str:
-    return f"pool-{_raylane_version()}-{digest(replica_settings(pool))}"
+def pool_version(pool: PoolConfig, tracing: TracingConfig | None = None) -> str:
+    """A pool replica's version: its settings and, once set, the cluster's tracing (a replica and its
+    engine core take it when they start: a change restarts them)."""
+    settings = replica_settings(pool)
+    if tracing is not None and tracing != TracingConfig():
+        settings["tracing"] = tracing.model_dump(mode="json")
+    return f"pool-{_raylane_version()}-{digest(settings)}"
 
 
 @dataclass(frozen=True)

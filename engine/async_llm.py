@@ -109,6 +109,7 @@ class AsyncLLM:
         tenant: str = "",
         lora_request: LoRARequest | None = None,
         cache_salt: str = "",
+        trace: dict[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as tokens arrive; the last one has `finished=True`. Leaving the loop
         early (a client disconnect, a cancelled task) aborts the request and frees its blocks;
@@ -116,7 +117,9 @@ class AsyncLLM:
         caller would otherwise never see. `resume`: continue after the output another replica had
         produced (`LLMEngine.add_request`). `tenant`: whose request it is (the scheduler shares each
         priority's slots between tenants). `lora_request`: the adapter to run it with. `cache_salt`:
-        the prefix-cache scope it shares cached blocks within."""
+        the prefix-cache scope it shares cached blocks within. `trace`: the W3C carrier of the
+        caller's span; the engine records the request's timeline and emits its spans under it
+        (engine/request_trace.py)."""
         request_id = request_id or uuid.uuid4().hex
         delta = sampling_params is not None and sampling_params.output_kind == RequestOutputKind.DELTA
         stream = RequestOutputCollector(
@@ -139,6 +142,7 @@ class AsyncLLM:
                 tenant,
                 lora_request,
                 cache_salt,
+                trace,
             )
         except BaseException:  # the engine's ValueError for a bad prompt or parameter, or a dead core
             self._streams.pop(request_id, None)

@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from raylane import tracing
 from raylane.config import EngineConfig
 
 
@@ -27,6 +28,10 @@ class StartCore:
     # As many as the serving process uses (what an engine thread would use); None: torch's default,
     # which the child reads from the same environment (Ray's OMP_NUM_THREADS for the actor).
     torch_threads: int | None = None
+    # The serving process's tracing settings (raylane/tracing.py) and its instance name: the core emits
+    # the engine's spans itself. None: off.
+    tracing: dict | None = None
+    tracing_instance: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +63,8 @@ class CoreLaunch:
 
 
 def launch_core(config: EngineConfig, torch_threads: int | None = None) -> CoreLaunch:
-    """Start the child and hand it `config`: it loads the model while this process goes on."""
+    """Start the child and hand it `config`: it loads the model while this process goes on. It traces
+    as this process does (configured before this call)."""
     mine, theirs = socket.socketpair()
     env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # import what we import
     fd = theirs.fileno()
@@ -66,5 +72,6 @@ def launch_core(config: EngineConfig, torch_threads: int | None = None) -> CoreL
     process = subprocess.Popen(command, pass_fds=[fd], env=env)
     theirs.close()
     conn = Connection(mine.detach())
-    conn.send_bytes(pickle.dumps(StartCore(config, torch_threads), protocol=pickle.HIGHEST_PROTOCOL))
+    start = StartCore(config, torch_threads, tracing.settings(), f"{tracing.instance()}/engine-core")
+    conn.send_bytes(pickle.dumps(start, protocol=pickle.HIGHEST_PROTOCOL))
     return CoreLaunch(process, conn)

@@ -39,6 +39,7 @@ class AddRequest:
     tenant: str = ""
     lora_request: LoRARequest | None = None
     cache_salt: str = ""
+    trace: dict[str, str] | None = None  # the pool span's W3C carrier: the engine's spans continue it
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+from raylane import tracing
 from raylane.config import EngineConfig
 from raylane.engine.core_launch import CoreFailed, CoreLaunch, CoreReady, StartCore, launch_core
 from raylane.engine.core_messages import Command, EngineDied, Event, RunResult, Shutdown
@@ -70,6 +71,8 @@ def run_engine_core(conn: Connection) -> None:
         torch.set_num_threads(start.torch_threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-core: %(message)s")
+    if start.tracing is not None:
+        tracing.configure(start.tracing, start.tracing_instance)
     try:
         engine = LLMEngine(start.config)
     except BaseException as e:  # noqa: BLE001 - the serving process re-raises it
@@ -96,6 +99,7 @@ def run_engine_core(conn: Connection) -> None:
     conn.send_bytes(_dumps(CoreReady(engine.max_model_len)))
     EngineLoop(engine, receive, emit).run()
     engine.shutdown()
+    tracing.shutdown()  # the spans of requests that ended last, before the process exits
 
 
 class EngineCoreProc:

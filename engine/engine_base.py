@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 
+from raylane import tracing
 from raylane.config import EngineConfig
 from raylane.engine.block_manager import BlockManager
 from raylane.engine.errors import EngineDeadError
@@ -20,6 +21,8 @@ from raylane.engine.lora import LoRARequest
 from raylane.engine.output_processor import OutputProcessor
 from raylane.engine.outputs import RequestOutput
 from raylane.engine.request import Request, RequestStatus, Resumption
+from raylane.engine.request_spans import emit_spans
+from raylane.engine.request_trace import RequestTrace
 from raylane.engine.sampling_params import SamplingParams
 from raylane.engine.scheduler import Scheduler
 
@@ -43,6 +46,7 @@ class EngineBase:
         self._structured = None
         self._structured_lock = threading.Lock()
         self._ids = itertools.count()
+        self._num_traced = 0  # requests here with a RequestTrace: none, and a step records nothing
         self._lora_paths: dict[int, str] = {}  # adapter id -> its directory, once validated
         # adapter id -> what `_read_adapter` made of it: adapters are the operator's (config, admin loads)
         self._lora_weights: dict[int, object] = {}
@@ -88,12 +92,14 @@ class EngineBase:
         tenant: str = "",
         lora_request: LoRARequest | None = None,
         cache_salt: str = "",
+        trace: dict[str, str] | None = None,
     ) -> str:
         """`resume`: the output each sample already produced on a replica that died; the request
         continues after it (engine/request.py `Resumption`). `tenant`: whose request it is (the
         scheduler shares each priority's slots between tenants). `lora_request`: the adapter to run
         it with (an engine with `enable_lora`). `cache_salt` (vLLM's): the prefix-cache scope; its
-        blocks are shared only with requests of the same salt."""
+        blocks are shared only with requests of the same salt. `trace`: the caller's W3C carrier; with
+        tracing on in this process the request's timeline becomes spans under it when it ends."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has_request(request_id):
@@ -108,6 +114,9 @@ class EngineBase:
         samples = self._fan_out(request_id, token_ids, params, priority, arrival_time, resume)
         for sample in samples:
             sample.tenant, sample.lora, sample.cache_salt = tenant, lora_request, cache_salt
+            if trace is not None and tracing.enabled() and not sample.status.finished:
+                sample.trace = RequestTrace(trace)
+                self._num_traced += 1
         self.output_processor.add_request(request_id, prompt, params, samples)
         for sample in samples:
             if not sample.status.finished:  # a resumed sample that had ended is not run again
@@ -245,6 +254,10 @@ class EngineBase:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish(request, status)
+        if request.trace is not None:
+            self._num_traced -= 1
+            emit_spans(request, status.finish_reason)
+            request.trace = None
         if self.proposer is not None:
             self.proposer.free(request)
         self.output_processor.finish_request(request)

@@ -149,6 +149,7 @@ class EngineLoop:
                 tenant=command.tenant,
                 lora_request=command.lora_request,
                 cache_salt=command.cache_salt,
+                trace=command.trace,
             )
         except Exception as e:  # a bad prompt or parameter: the caller's ValueError
             return RequestAdded(command.token, e)

@@ -11,6 +11,7 @@ step that fails leaves the engine dead: every later step and `check_health()` ra
 """
 
 import threading
+import time
 import weakref
 
 import torch
@@ -25,6 +26,7 @@ from raylane.engine.model_runner import ModelInput
 from raylane.engine.outputs import RequestOutput
 from raylane.engine.prompt_logprobs import PromptLogprobRows, add_prompt_rows
 from raylane.engine.request import Request
+from raylane.engine.request_spans import is_prefill
 from raylane.engine.sampler import Sampler
 from raylane.engine.scheduler import Scheduler, SchedulerOutput
 from raylane.engine.spec_decode import RejectionSampler, SpecDecodeStats, make_proposer
@@ -97,8 +99,14 @@ class LLMEngine(EngineBase):
         scheduled = self.scheduler.schedule()
         if not scheduled.requests:
             return []
+        traced = self._traced_rows(scheduled) if self._num_traced else None
+        started = time.monotonic() if traced else 0.0
         batch, sampling, prompt_rows = self._prepare_input(scheduled)
         logits = self._execute(batch)
+        if traced:  # before sampling: a request that ends in this step emits its spans there
+            ended = time.monotonic()
+            for request, num_new, prefill in traced:
+                request.trace.step(started, ended, num_new, prefill)
         for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
             # Drafts count as computed only once verified (below).
             request.num_computed_tokens += num_new - len(request.spec_token_ids)
@@ -120,6 +128,15 @@ class LLMEngine(EngineBase):
                 self._verify_drafts(request, logits[row : row + len(request.spec_token_ids) + 1])
         return self.output_processor.make_outputs([request for _, request in sampling])
 
+    @staticmethod
+    def _traced_rows(scheduled: SchedulerOutput) -> list[tuple[Request, int, bool]]:
+        """(request, tokens computed, whether a prefill chunk) of the step's traced requests."""
+        return [
+            (r, n, is_prefill(r))
+            for r, n in zip(scheduled.requests, scheduled.num_new_tokens, strict=True)
+            if r.trace is not None
+        ]
+
     def _verify_drafts(self, request: Request, logits: torch.Tensor) -> None:
         """Keep the accepted drafts and the target's next token; roll the rejected drafts' KV back."""
         drafts, draft_probs = request.spec_token_ids, request.spec_draft_probs
@@ -127,6 +144,8 @@ class LLMEngine(EngineBase):
         tokens = self.rejection_sampler(logits, drafts, draft_probs, request)
         num_accepted = len(tokens) - 1
         self.spec_decode_stats.observe(len(drafts), num_accepted)
+        if request.trace is not None:
+            request.trace.verified(len(drafts), num_accepted)
         for token in tokens:
             self._append_token(request, token, None)
             if request.status.finished:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from raylane.engine.lora import LoRARequest
+from raylane.engine.request_trace import RequestTrace
 from raylane.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -85,6 +86,8 @@ class Request:
     # Prompt logprobs (engine/prompt_logprobs.py): the first prompt position whose logits are still to
     # be read (position i's logits give the logprob of prompt token i + 1).
     prompt_logprobs_position: int = 0
+    # Its timeline for tracing (engine/request_trace.py); None: not traced, and nothing is recorded.
+    trace: RequestTrace | None = None
 
     def __post_init__(self) -> None:
         self.parent_id = self.parent_id or self.request_id

@@ -18,6 +18,7 @@ reverse order: lowest priority, then the tenant running the most, then the newes
 
 import heapq
 import itertools
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -178,6 +179,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        if request.trace is not None:
+            request.trace.preemptions.append(time.monotonic())
         self.num_preemptions += 1
         out.preempted.append(request)
         self.waiting.push(request)

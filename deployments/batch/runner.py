@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from raylane import tracing
 from raylane.config.batch import BatchConfig
 from raylane.deployments.batch.lines import (
     InputFile,
@@ -75,8 +76,14 @@ class BatchRunner:
         self._reading = asyncio.Lock()  # one input file read at a time: its index is what it costs
         self._calls: dict[int, float] = {}  # the gateway calls in flight (by id): when each started
         self._retrying = 0  # lines sleeping before their next try
+        self._traces: dict[str, dict[str, str] | None] = {}  # batch id -> its span's carrier (traced)
 
     async def run(self, batch_id: str, key_id: str) -> None:
+        """Run a batch to its end. Traced, it is one span (`batch`, from this run of it to its end),
+        the parent of every line's request (the gateway's `run_batch_line` continues its carrier)."""
+        attributes = {"raylane.batch_id": batch_id, "raylane.api_key.id": key_id}
+        span = tracing.start("batch", attributes=attributes)
+        self._traces[batch_id] = tracing.carrier(span)
         try:
             await self._run(batch_id, key_id)
         except Exception:
@@ -85,6 +92,8 @@ class BatchRunner:
             self._fail(batch_id, error | {"line": None})
         finally:
             self.stopped.pop(batch_id, None)
+            self._traces.pop(batch_id, None)
+            tracing.end(span)
 
     async def _run(self, batch_id: str, key_id: str) -> None:
         batch = self.store.batch(batch_id)
@@ -251,7 +260,9 @@ class BatchRunner:
     async def _call_gateway(self, batch_id: str, key_id: str, line) -> tuple[int, str | None, bool]:
         """One try of a line: (status, JSON body or None when no gateway answered, busy). A call
         unanswered after `line_timeout_s` is cancelled (Serve cancels the request in the gateway)."""
-        response = self.gateway().run_batch_line.remote(key_id, line.url, line.body)
+        trace = self._traces.get(batch_id)
+        extra = {"trace": trace} if trace is not None else {}
+        response = self.gateway().run_batch_line.remote(key_id, line.url, line.body, **extra)
         self._calls[id(response)] = time.monotonic()
         try:
             return await asyncio.wait_for(response, self.config.line_timeout_s)

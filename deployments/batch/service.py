@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from raylane import tracing
 from raylane.config.batch import BatchConfig
 from raylane.deployments.batch.lines import LineCaps
 from raylane.deployments.batch.quota import OUTPUT_FILES, QuotaError, StorageQuota
@@ -50,8 +51,11 @@ def _not_found(file_id: str, param: str = "file_id") -> OpenAIError:
 
 
 class BatchService:
-    def __init__(self, app_name: str, config: dict[str, Any], max_body_bytes: int) -> None:
+    def __init__(
+        self, app_name: str, config: dict[str, Any], max_body_bytes: int, tracing_settings: dict | None = None
+    ) -> None:
         self.app_name, self.max_body_bytes = app_name, max_body_bytes
+        tracing.configure(tracing_settings, f"batch:{app_name}")
         self.config = BatchConfig.model_validate(config)
         self.store = BatchStore(*store_location(app_name, self.config), app_name)
         for left in self.store.files_dir.glob(f"{upload_prefix(app_name)}*"):  # an earlier actor's uploads
@@ -287,8 +291,11 @@ def service_name(app_name: str) -> str:
     return f"raylane-batch-{app_name}"
 
 
-def batch_service(app_name: str, config: BatchConfig, max_body_bytes: int):
+def batch_service(
+    app_name: str, config: BatchConfig, max_body_bytes: int, tracing_settings: dict | None = None
+):
     """The app's batch actor handle, created by the first gateway replica that asks. Its pending
-    calls are retried when Ray restarts it (`run` among them: see `BatchService.run`)."""
-    args = (app_name, config.model_dump(), max_body_bytes)
+    calls are retried when Ray restarts it (`run` among them: see `BatchService.run`).
+    `tracing_settings`: the cluster's `observability.tracing` (a batch's span is its lines' parent)."""
+    args = (app_name, config.model_dump(), max_body_bytes, tracing_settings)
     return detached_actor(BatchService, service_name(app_name), *args, max_task_retries=-1)

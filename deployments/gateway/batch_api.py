@@ -66,7 +66,10 @@ class BatchApi:
             from raylane.deployments.batch.service import batch_service
 
             handle = batch_service(
-                self.app_name, self.config.batch, self.config.gateway.max_request_body_bytes
+                self.app_name,
+                self.config.batch,
+                self.config.gateway.max_request_body_bytes,
+                self.config.observability.tracing.model_dump(),
             )
             self._driving = handle.run.remote()  # pending for the actor's life (kept: Ray retries it)
             self._service = handle

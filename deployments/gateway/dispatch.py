@@ -23,6 +23,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from raylane import tracing
 from raylane.config import ClusterConfig
 from raylane.deployments.gateway.drain import DrainWatcher
 from raylane.deployments.gateway.lora_adapters import LoRAAdapters
@@ -37,6 +38,7 @@ from raylane.deployments.gateway.pool_health import PoolHealth, PoolOutage
 from raylane.deployments.gateway.relay import SSE_HEADERS, BoundedStreamingResponse, drain_later, relay
 from raylane.deployments.gateway.request_log import note_summary
 from raylane.deployments.gateway.resumption import Resumer
+from raylane.deployments.gateway.spans import end_pool_call, start_pool_call, summary_attributes
 from raylane.deployments.protocol.errors import (
     OpenAIError,
     client_error,
@@ -154,9 +156,12 @@ class Dispatcher:
     ) -> Response:
         request_id = request.request_id
         rejected: OpenAIError | None = None  # a pool's context-length answer, if every pool gives one
+        attempt = 0
         while True:
             try:
-                slot = await plan.next_slot()
+                with tracing.span("gateway.admission", **{"raylane.priority": plan.priority}) as span:
+                    slot = await plan.next_slot()
+                    tracing.set_attributes(span, **{"raylane.pool": slot.pool})
             except RouterError as e:
                 headers = plan.headers() | {"x-request-id": request_id}
                 if isinstance(e, ContextLengthError) and rejected is not None:
@@ -164,11 +169,17 @@ class Dispatcher:
                     return error_response(rejected, headers)
                 logger.info("request %s (%s) not served: %s", request_id, principal.key_id, e)
                 return JSONResponse(e.to_openai(), status_code=e.status, headers=headers | e.headers())
-            call = request.call(self.pools[slot.pool])
+            attempt += 1
+            model = self.config.pool(slot.pool).model_id if tracing.enabled() else ""
+            call_span = start_pool_call(request, slot.pool, model, attempt)
+            call = request.call(self.pools[slot.pool], trace=tracing.carrier(call_span))
             first = await self.first_item(call, slot, plan)
             if isinstance(first, PoolFailure) and (again := await resumer.retry(slot.pool, first)):
+                end_pool_call(call_span, first.error, "retried")
                 first, call = again  # its replica died before it answered: a live one did
+                call_span = resumer.call_span
             if isinstance(first, PoolFailure):
+                end_pool_call(call_span, first.error, first.reason.value)
                 if first.reason is FallbackReason.SATURATED:  # busy, not broken: reported already
                     if self.config.router.overflow:
                         continue
@@ -190,17 +201,21 @@ class Dispatcher:
                     )
                 continue  # fall back
             if isinstance(first, OpenAIError) and first.code == "context_length_exceeded":
+                end_pool_call(call_span, first, "context_length")
                 slot.client_error()  # the pool is fine; the prompt is too long for it
                 plan.chain.leave(FallbackReason.CONTEXT_LENGTH)
                 rejected = first
                 continue
             headers = plan.headers() | {"x-request-id": request_id}
             if isinstance(first, OpenAIError):  # the client's (4xx): answered as it is
+                end_pool_call(call_span, first, "client_error")
                 slot.client_error()
                 plan.charge.settle_error(first.status)
                 return error_response(first, headers)
             if not streaming:
                 final = first if isinstance(first, FinalItem) else FinalItem(first)
+                summary_attributes(call_span, final.summary)
+                end_pool_call(call_span)
                 if final.summary is not None:
                     note_summary(final.summary)
                 drain_later(call)
@@ -213,7 +228,7 @@ class Dispatcher:
                 plan.charge.settle(tokens)
 
             return BoundedStreamingResponse(
-                relay(first, call, slot, on_done, resumer),
+                relay(first, call, slot, on_done, resumer, call_span=call_span),
                 write_timeout_s=self.config.gateway.stream_write_timeout_s,
                 media_type="text/event-stream",
                 headers=headers | SSE_HEADERS,

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from raylane import tracing
 from raylane.bounded_worker import BoundedWorker, WorkerBusy, WorkerStarved, WorkerTimeout, start_forkserver
 from raylane.config import ClusterConfig
 from raylane.config.batch import BATCH_TIER, batch_tier
@@ -190,6 +191,12 @@ async def _unexpected(request: Request, error: Exception) -> JSONResponse:
 class Gateway:
     def __init__(self, config: ClusterConfig | dict[str, Any], pools: dict[str, Any]):
         self.config = ClusterConfig.model_validate(config)
+        context = serve.get_replica_context()
+        # Traces of requests, when `observability.tracing` (or OTEL_*) names an endpoint. Set once per
+        # process: a change reaches replicas started after it.
+        tracing.configure(
+            self.config.observability.tracing.model_dump(), f"gateway:{context.replica_id.unique_id}"
+        )
         # The handles were made where the app was built; calls go by gRPC when this replica's Serve
         # runs with it (cluster/serve_env.py), as the proxy's calls to this replica do.
         grpc = os.environ.get("RAY_SERVE_USE_GRPC_BY_DEFAULT") == "1"
@@ -198,7 +205,6 @@ class Gateway:
         self.pools = {n: h.options(_by_reference=not grpc) for n, h in pools.items() if n in names}
         self.created = int(time.time())
         return_large_buffers()
-        context = serve.get_replica_context()
         self.lora = LoRAAdapters(context.app_name, self.config, self._adapters_changed)
         self.lora.loaded = self.lora.read()  # those loaded at run time before this replica started
         # (logs loudly when no API key is configured: open mode)
@@ -515,13 +521,28 @@ class Gateway:
         update_router(self.router, self.config, self.router.classifier, self.lora.by_pool())
 
     async def run_batch_line(
-        self, key_id: str, endpoint: str, body: bytes, check_key: bool = True
+        self, key_id: str, endpoint: str, body: bytes, check_key: bool = True, trace: dict | None = None
     ) -> tuple[int, str, bool]:
         """One line of a batch (called by the batch actor), served as a request of the `batch` tier
         from the key that made the batch: (status, JSON body, whether other tiers were using its pool).
         `check_key`: the key must still be known and its tier allow batches (else a 403 that stops the
         batch: `raylane batch run`, an operator's job, names no key); its tier's
-        `batch_tokens_per_minute` is charged (past it, a 429 the batch waits out)."""
+        `batch_tokens_per_minute` is charged (past it, a 429 the batch waits out). `trace`: the
+        batch's span's carrier: the line is traced as its child."""
+        span = tracing.start(f"batch line {endpoint}", parent=trace, kind="server") if trace else None
+        token, status = tracing.attach(span), 500
+        try:
+            status, result, busy = await self._run_batch_line(key_id, endpoint, body, check_key)
+            return status, result, busy
+        finally:
+            tracing.detach(token)
+            tracing.end(
+                span, error="failed" if status >= 500 else None, **{"http.response.status_code": status}
+            )
+
+    async def _run_batch_line(
+        self, key_id: str, endpoint: str, body: bytes, check_key: bool
+    ) -> tuple[int, str, bool]:
         key_tier = self.router.tier_of_key(key_id) if check_key else None
         if check_key and (key_tier is None or not key_tier.batches):
             return 403, json.dumps(batch_key_refused(key_tier).to_dict()), False
@@ -626,15 +647,21 @@ class Gateway:
         a key that cannot afford its body, or is over its limit already, costs this replica a
         look-up (Serve's proxy then never forwards the body either); a chunked body is charged once
         read, within the byte limit."""
-        self.router.precheck_rate(principal)  # a key over its limits: 429 without reading its body
         max_bytes = self.config.gateway.max_request_body_bytes
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) <= max_bytes:  # (HTTP/1.1 framing holds it to that)
-            charge = self.router.check_rate(principal, int(declared) // PROMPT_BYTES_PER_TOKEN)
-            request.state.rate_charge = charge
-            return await read_body(request, max_bytes)
-        body = await read_body(request, max_bytes)
-        request.state.rate_charge = self.router.check_rate(principal, len(body) // PROMPT_BYTES_PER_TOKEN)
+        charged_first = declared.isdigit() and int(declared) <= max_bytes  # (HTTP/1.1 framing holds it)
+        with tracing.span("gateway.rate_limit"):
+            self.router.precheck_rate(principal)  # a key over its limits: 429 without reading its body
+            if charged_first:
+                charge = self.router.check_rate(principal, int(declared) // PROMPT_BYTES_PER_TOKEN)
+                request.state.rate_charge = charge
+        with tracing.span("gateway.read_body") as span:
+            body = await read_body(request, max_bytes)
+            tracing.set_attributes(span, **{"http.request.body.size": len(body)})
+        if not charged_first:
+            with tracing.span("gateway.rate_limit"):
+                charge = self.router.check_rate(principal, len(body) // PROMPT_BYTES_PER_TOKEN)
+                request.state.rate_charge = charge
         return body
 
     def charge_output(self, principal: Principal, charge: RateCharge, max_tokens: int | None, n: int) -> None:
@@ -665,7 +692,8 @@ class Gateway:
                 timeout_s=self.config.gateway.grammar_check_timeout_s, preload=GRAMMAR_PRELOAD
             )
         try:
-            return await self.grammar_worker.run(fn, req, key=principal.key_id)
+            with tracing.span("gateway.grammar_check", **{"raylane.grammar_param": param}):
+                return await self.grammar_worker.run(fn, req, key=principal.key_id)
         except WorkerBusy as e:
             raise OverloadedError(
                 f"The grammar in '{param}' cannot be checked now: {e}. Retry later, or send fewer at once.",
@@ -744,4 +772,11 @@ class Gateway:
         self.check_open()
         if (record := current_record()) is not None:
             record.config_generation = self.config_generation
-        return self.router.authenticate(request.headers, request.client.host if request.client else None)
+        with tracing.span("gateway.authenticate") as span:
+            principal = self.router.authenticate(
+                request.headers, request.client.host if request.client else None
+            )
+            # The key's id ("key-<digest prefix>"), never the key.
+            attributes = {"raylane.tier": principal.tier.name, "raylane.api_key.id": principal.key_id}
+            tracing.set_attributes(span, **attributes)
+        return principal

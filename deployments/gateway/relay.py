@@ -15,13 +15,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Send
 
+from raylane import tracing
 from raylane.deployments.gateway.pool_failures import pool_failure
 from raylane.deployments.gateway.request_log import note_summary
 from raylane.deployments.gateway.resumption import Resumer
+from raylane.deployments.gateway.spans import end_pool_call, summary_attributes
 from raylane.deployments.protocol.errors import OpenAIError
 from raylane.deployments.protocol.wire import (
     EngineDeadError,
@@ -45,6 +48,7 @@ async def relay(
     on_done: Callable[[int], None] | None = None,
     resumer: Resumer | None = None,
     pool: str | None = None,
+    call_span: Any = None,
 ) -> AsyncIterator[str]:
     """Relay a pool's SSE events. The response ends with the pool's `FinalItem` (the rest of the
     pool's stream is read in the background). A failure of the pool's health mid-stream (the replica
@@ -52,10 +56,15 @@ async def relay(
     client sees one unbroken stream. Any other failure, or one past the resumption limit, becomes an
     error event (the SDK raises it). The pool's slot is released when the stream ends, as failed if an
     error event ended it; `on_done(tokens)` then counts usage: the pool's summary when it came (an
-    event may carry several tokens; a resumed stream adds the tokens sent before), else the events."""
+    event may carry several tokens; a resumed stream adds the tokens sent before), else the events.
+    `call_span`: the gateway's span of the pool call (deployments/gateway/spans.py), ended with the
+    call; the relay's own `gateway.stream` span holds any resumption."""
     finished, failed, events, tokens = False, False, 0, None
     pool = pool or getattr(slot, "pool", None)
     item: PoolItem | None = first
+    stream_span = tracing.start("gateway.stream") if call_span is not None else None
+    if resumer is not None:
+        resumer.trace_parent = stream_span
     try:
         while True:
             failure: object = None  # what ended this pool call early, if anything did
@@ -66,6 +75,7 @@ async def relay(
                             failure = EngineDeadError(item.item)
                             break
                         tokens = _note(item.summary, resumer)
+                        summary_attributes(call_span, item.summary)
                         failed = failed or is_error_event(item.item)  # the engine's failure ended it
                         events += 1
                         yield item.item
@@ -92,15 +102,20 @@ async def relay(
                 break
             call.cancel()
             logger.warning("pool %s failed mid-stream: %r", pool, failure)
+            error = failure if isinstance(failure, OpenAIError) else pool_failure(failure)
+            end_pool_call(call_span, error, "died")
+            call_span = None
             resumed = await resumer.resume(pool, failure) if resumer is not None and pool else None
             if resumed is None:
                 failed = True
-                error = failure if isinstance(failure, OpenAIError) else pool_failure(failure)
                 yield sse_error(error)
                 break
             item, call = resumed
+            call_span = getattr(resumer, "call_span", None)  # (a test's stand-in may have none)
         finished = True
     finally:
+        end_pool_call(call_span)
+        tracing.end(stream_span, error="stream failed" if failed else None, **{"raylane.events": events})
         if not finished:  # the client went away: stop generating
             call.cancel()
         if slot is not None:  # only the breaker learns of a failure the stream could not survive

@@ -11,6 +11,11 @@ The request id is the `x-request-id` header: Ray Serve's proxy keeps the client'
 echoes it on the response (so the handler's own `x-request-id` header is dropped here, or the client
 would see two). The engine's id stays the gateway's own uuid, since a client's id need not be unique.
 
+With tracing on (`observability.tracing`, raylane/tracing.py) the middleware also opens the
+request's root span (deployments/gateway/spans.py), continuing the client's `traceparent`, ends it
+when the response's last byte is sent, and puts its ids in the response (`x-raylane-trace-id`,
+`traceparent`) and in the line (`trace_id`).
+
 A line never holds the prompt, the completion or the API key. `RAYLANE_LOG_PROMPTS=1` adds the
 request's `messages` / `prompt` (debugging only). Lines go to `RAYLANE_REQUEST_LOG` (a file path,
 `stderr`, or `off`); by default to `raylane_requests_<pid>.jsonl` in Ray Serve's log folder
@@ -31,10 +36,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from raylane import tracing
+from raylane.deployments.gateway.spans import route_attributes
 from raylane.deployments.metrics.gateway import gateway_metrics
 from raylane.deployments.protocol.wire import RequestSummary
 
 REQUEST_ID_HEADER = "x-request-id"
+TRACE_ID_HEADER = "x-raylane-trace-id"
 CLIENT_CLOSED = 499  # the status of a request whose client went away before the response began
 MAX_PROMPT_BODY = 1 << 20  # with RAYLANE_LOG_PROMPTS, bodies larger than this are not logged
 
@@ -73,6 +81,8 @@ class RequestRecord:
     resumptions: list[tuple[str, str]] = field(default_factory=list)  # (pool, reason) per resumption
     latency_s: float | None = None
     prompt: Any = None  # only with RAYLANE_LOG_PROMPTS
+    trace_id: str | None = None  # the request's trace (32 hex digits) while tracing is on
+    span: Any = None  # its root span (deployments/gateway/spans.py); None while tracing is off
 
     def fallbacks(self) -> list[tuple[str, str, str]]:
         """(from_pool, to_pool, reason) per move down the fallback chain: each pool left handed the
@@ -109,6 +119,8 @@ class RequestRecord:
             "finish_reason": self.finish_reason,
             "config_generation": self.config_generation,
         }
+        if self.trace_id:
+            fields["trace_id"] = self.trace_id
         if self.error_code:
             fields["error_code"] = self.error_code
         if self.resumptions:
@@ -236,6 +248,7 @@ class RequestLogMiddleware:
             await send(message)
 
         token = _current.set(record)
+        span_token = _open_span(record, scope, headers) if tracing.enabled() else None
         try:
             await self.app(scope, receive_wrapper if capture_prompt else receive, send_wrapper)
         except BaseException as e:
@@ -249,6 +262,9 @@ class RequestLogMiddleware:
             record.latency_s = time.monotonic() - record.started
             route = scope.get("route")
             record.endpoint = getattr(route, "path", None) or "other"
+            if record.span is not None:
+                tracing.detach(span_token)
+                _close_span(record)
             if capture_prompt:
                 record.prompt = _prompt_of(bytes(body))
             try:
@@ -268,6 +284,9 @@ class RequestLogMiddleware:
                     setattr(record, attr, value.decode("latin-1") or None)
         if echo_id:  # behind Serve's proxy the header arrives and the proxy echoes it
             raw.append((REQUEST_ID_HEADER.encode(), record.request_id.encode("latin-1")))
+        if record.trace_id is not None:
+            raw.append((TRACE_ID_HEADER.encode(), record.trace_id.encode()))
+            raw.append((b"traceparent", tracing.traceparent(record.span).encode()))
         return {**message, "headers": raw}
 
     @staticmethod
@@ -278,6 +297,48 @@ class RequestLogMiddleware:
             return
         if record.error_code == "overloaded":  # the router's load shedding (rate limits are not)
             record.shed = True
+
+
+def _open_span(record: RequestRecord, scope, headers: dict[str, str]) -> Any:
+    """Start the request's root span, current for the handler and its stream: a child of the client's
+    `traceparent` if it sent one, else a new trace (sampled by `sample_ratio`)."""
+    carrier = {k: headers[k] for k in ("traceparent", "tracestate") if k in headers}
+    span = tracing.start(
+        f"{record.method} {_app_path(scope)}",
+        parent=carrier or None,
+        kind="server",
+        attributes={
+            "http.request.method": record.method,
+            "url.path": _app_path(scope),
+            "raylane.request_id": record.request_id,
+        },
+    )
+    record.span, record.trace_id = span, tracing.trace_id(span)
+    return tracing.attach(span)
+
+
+def _close_span(record: RequestRecord) -> None:
+    """End the root span with what the response said (the record is complete by now)."""
+    span = record.span
+    if record.endpoint != "other":
+        span.update_name(f"{record.method} {record.endpoint}")
+    attributes = {
+        "http.route": record.endpoint,
+        "http.response.status_code": record.status,
+        "raylane.route": record.route,
+        "raylane.pool": record.pool,
+        "raylane.tier": record.tier,
+        "raylane.fallback": record.fallback,
+        "raylane.route.decision": record.decision,
+        "raylane.adapter": record.adapter,
+        "raylane.resumptions": len(record.resumptions) or None,
+        "raylane.error_code": record.error_code,
+        "gen_ai.usage.input_tokens": record.prompt_tokens,
+        "gen_ai.usage.output_tokens": record.completion_tokens,
+        "gen_ai.response.finish_reasons": record.finish_reason.split(",") if record.finish_reason else None,
+    }
+    error = f"HTTP {record.status}" if record.status is None or record.status >= 500 else None
+    tracing.end(span, error=error, **attributes)
 
 
 def _client_went_away(error: BaseException) -> bool:
@@ -306,10 +367,15 @@ def _default_complete(record: RequestRecord) -> None:
 
 
 async def router_timed(awaitable):
-    """Await a router call, adding its time to the current record (`raylane_router_latency_seconds`)."""
+    """Await a router call, adding its time to the current record (`raylane_router_latency_seconds`),
+    in a `gateway.route` span that names what it decided."""
     started = time.monotonic()
     try:
-        return await awaitable
+        with tracing.span("gateway.route") as span:
+            result = await awaitable
+            if span is not None:
+                route_attributes(span, result[0] if isinstance(result, tuple) else result)
+            return result
     finally:
         record = _current.get()
         if record is not None:

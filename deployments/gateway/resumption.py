@@ -24,6 +24,7 @@ import json
 import logging
 from typing import Any
 
+from raylane import tracing
 from raylane.config import ClusterConfig, PoolConfig
 from raylane.deployments.gateway.pool_failures import (
     PoolFailure,
@@ -33,6 +34,7 @@ from raylane.deployments.gateway.pool_failures import (
 )
 from raylane.deployments.gateway.pool_health import PoolHealth, PoolOutage
 from raylane.deployments.gateway.request_log import note_resumption
+from raylane.deployments.gateway.spans import end_pool_call, start_pool_call
 from raylane.deployments.protocol.errors import OpenAIError, client_error, internal_error, unavailable
 from raylane.deployments.protocol.wire import PoolItem, PoolRequest, ResumeState, StreamItem
 from raylane.router import FallbackReason
@@ -71,6 +73,10 @@ class Resumer:
         self.count = 0
         self.state: ResumeState | None = None  # the stream's, from its first item on
         self.tokens_before = 0  # tokens sent before the latest resumption (the pool counts the rest)
+        # Tracing (deployments/gateway/spans.py): the span resumptions go under (the relay's stream
+        # span; None: the current one) and the span of the call the latest resumption made.
+        self.trace_parent: Any = None
+        self.call_span: Any = None
 
     def targets(self, pool: str) -> list[str]:
         """`pool`, then the pools after it in the chain that serve the same checkpoint."""
@@ -104,14 +110,36 @@ class Resumer:
     async def _call(
         self, pool: str, reason: str, state: ResumeState | None, targets: list[str]
     ) -> tuple[PoolItem, Any] | None:
+        sent = 0 if state is None else state.num_tokens
+        attributes = {
+            "raylane.pool": pool,
+            "raylane.resume.reason": reason,
+            "raylane.resume.tokens_sent": sent,
+        }
+        span = tracing.start("gateway.resume", parent=self.trace_parent, attributes=attributes)
+        try:
+            resumed = await self._try(reason, state, targets, span)
+        finally:
+            tracing.end(span, error=None if self.call_span is not None else "not resumed")
+        return resumed
+
+    async def _try(
+        self, reason: str, state: ResumeState | None, targets: list[str], parent: Any
+    ) -> tuple[PoolItem, Any] | None:
+        self.call_span = None
+        sent = 0 if state is None else state.num_tokens
         for target in targets:
             while self.count < self.limit:
                 if not await self._up(target):
                     break  # still down: the next target
                 self.count += 1
-                call = self.request.call(self.pools[target], None if state is None else _copy(state))
+                model = self.config.pool(target).model_id if tracing.enabled() else ""
+                span = start_pool_call(self.request, target, model, self.count + 1, parent, sent)
+                resume = None if state is None else _copy(state)
+                call = self.request.call(self.pools[target], resume, trace=tracing.carrier(span))
                 first = await self._first(call, target)
                 if not isinstance(first, PoolFailure | OpenAIError):
+                    self.call_span = span
                     logger.warning(
                         "request %s resumed on pool %s after %s (%d tokens sent before)",
                         self.request_id, target, reason, 0 if state is None else state.num_tokens,
@@ -120,6 +148,7 @@ class Resumer:
                     self.tokens_before = 0 if state is None else state.num_tokens
                     return first, call
                 again = resumption_reason(first)
+                end_pool_call(span, first, again)
                 logger.warning("request %s: resuming on pool %s failed: %s", self.request_id, target, again)
                 if again is None:  # the continuation was refused (it no longer fits): give up
                     return None

@@ -17,6 +17,7 @@ import inspect
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -24,7 +25,9 @@ from operator import methodcaller
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from raylane.config import EngineConfig, PoolConfig
+from raylane import tracing
+from raylane.config import EngineConfig, PoolConfig, TracingConfig
+from raylane.deployments.pool.pool_span import end_pool_span, start_pool_span
 from raylane.engine.core_launch import CoreLaunch, launch_core
 from raylane.engine.lora import LoRARequest, adapter_id
 
@@ -42,13 +45,17 @@ class ModelPool:
         self,
         pool: PoolConfig | dict,
         prepare_engine_config: Callable[[PoolConfig], EngineConfig] = PoolConfig.engine_config,
+        tracing_config: TracingConfig | dict | None = None,
     ):
         """`prepare_engine_config` finds the pool's checkpoint on this replica's node (the app builder
         passes `raylane.models.sources.prepare_engine_config`, which also writes a demo checkpoint a
-        fresh node lacks); the default takes the pool's `model` as a path."""
+        fresh node lacks); the default takes the pool's `model` as a path. `tracing_config`: the
+        cluster's `observability.tracing` (this process and its engine core trace with it)."""
         started = time.time()
         self.pool = PoolConfig.model_validate(pool)
         self.adapter_names: dict[int, str] = {}  # LoRA adapter id -> the name it was asked for by
+        settings = TracingConfig.model_validate(tracing_config or {}).model_dump()
+        tracing.configure(settings, f"pool:{self.pool.name}:{_replica_name()}")  # before the core starts
         config = prepare_engine_config(self.pool)
         logger.info("pool %s: loading %s", self.pool.name, config.model)
         launch = launch_core(config) if config.uses_core_process else None
@@ -124,7 +131,7 @@ class ModelPool:
             self._lora(r),
             r.cache_salt,
         )
-        async for item in self._forward(items):
+        async for item in self._forward(items, request):
             yield item
 
     async def completions(self, request: PoolRequest) -> AsyncIterator[PoolItem]:
@@ -132,7 +139,7 @@ class ModelPool:
         items = self.completion_serving.completion(
             r.body, r.params, r.request_id, r.priority, r.resume, r.tenant, self._lora(r), r.cache_salt
         )
-        async for item in self._forward(items):
+        async for item in self._forward(items, request):
             yield item
 
     async def responses(self, request: PoolRequest) -> AsyncIterator[PoolItem]:
@@ -151,7 +158,7 @@ class ModelPool:
             self._lora(r),
             r.cache_salt,
         )
-        async for item in self._forward(items):
+        async for item in self._forward(items, request):
             yield item
 
     def _lora(self, request: PoolRequest) -> LoRARequest | None:
@@ -203,11 +210,21 @@ class ModelPool:
 
         return await tokenize_off_loop(lambda: self.tokenization.detokenize(request), request)
 
-    async def _forward(self, items: AsyncIterator[PoolItem]) -> AsyncIterator[PoolItem]:
+    async def _forward(self, items: AsyncIterator[PoolItem], request: PoolRequest) -> AsyncIterator[PoolItem]:
         self.reporter.start()
-        async with aclosing(items):  # leaving early aborts the engine request at once
-            async for item in items:
-                yield item
+        # The replica's span of the request, current while its items are made: the serving code's
+        # spans (render, grammar compile) and the engine's go under it (deployments/pool/pool_span.py).
+        span = start_pool_span(request, self.pool) if request.trace is not None else None
+        token = tracing.attach(span)
+        final = None
+        try:
+            async with aclosing(items):  # leaving early aborts the engine request at once
+                async for item in items:
+                    final = item
+                    yield item
+        finally:
+            tracing.detach(token)
+            end_pool_span(span, final)
 
     async def _gauges(self) -> tuple[dict, dict]:
         """Engine state for the metrics reporter (the counters stay as they were if the engine died)."""
@@ -269,3 +286,12 @@ class ModelPool:
         grammar = getattr(self, "grammar", None)
         if grammar is not None:
             grammar.close()
+
+
+def _replica_name() -> str:
+    """This replica's Serve id, or the process id outside Serve (Serve is not imported for it)."""
+    serve = sys.modules.get("ray.serve")
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not in a replica
+        return str(os.getpid())

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
+from raylane import tracing
 from raylane.bounded_worker import WorkerBusy, WorkerStarved
 from raylane.deployments.protocol.errors import OpenAIError, from_engine_value_error, invalid, unavailable
 from raylane.deployments.protocol.openai_schemas import PromptTokensDetails, Usage
@@ -69,7 +70,9 @@ class OpenAIServing:
         if self.grammar is None or params.structured is None:
             return
         try:
-            await self.grammar.prepare(params.structured, tenant)
+            # Its wait for the worker (the key's turn) included: what a client's grammar cost it here.
+            with tracing.span("pool.grammar_compile", **{"raylane.grammar_param": param}):
+                await self.grammar.prepare(params.structured, tenant)
         except WorkerBusy as e:
             raise OpenAIError(
                 f"This model's replica cannot compile the grammar now: {e}. Retry shortly.",
@@ -108,7 +111,10 @@ class OpenAIServing:
         cache_salt: str = "",
     ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
         """Add the request and wait for its first output, so that a rejected request becomes an
-        error before anything is sent. `resume`: the output a failed replica had sent already."""
+        error before anything is sent. `resume`: the output a failed replica had sent already. A
+        traced request's carrier goes along: the engine's spans join the replica's
+        (deployments/pool/pool_span.py)."""
+        carrier = tracing.carrier()
         gen = self.llm.generate(
             prompt_ids,
             params,
@@ -118,6 +124,7 @@ class OpenAIServing:
             tenant=tenant,
             lora_request=lora_request,
             cache_salt=cache_salt,
+            **({"trace": carrier} if carrier is not None else {}),
         )
         try:
             first = await gen.__anext__()

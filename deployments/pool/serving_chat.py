@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from raylane import tracing
 from raylane.deployments.pool.chat_prompt import chat_prompt_ids
 from raylane.deployments.pool.logprobs import chat_logprobs, vllm_prompt_logprobs
 from raylane.deployments.pool.reasoning_parser import ReasoningParser, reasoning_tokens, split_reasoning
@@ -111,7 +112,9 @@ class OpenAIServingChat(OpenAIServing):
         """Chat's and Responses' way into the engine: the prompt rendered and its length checked (the
         limit named `output_param`), the grammar compiled within `tenant`'s share, the request
         started: (prompt ids, the engine's parameters, its first output, the rest)."""
-        prompt_ids = await self.prompt_ids(req, plan)
+        with tracing.span("pool.render") as span:  # the chat template, and its tokens in the same call
+            prompt_ids = await self.prompt_ids(req, plan)
+            tracing.set_attributes(span, **{"gen_ai.usage.input_tokens": len(prompt_ids)})
         self.check_length(len(prompt_ids), params.max_tokens, "messages", output_param)
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         engine_params = params.clone(output_kind=kind)

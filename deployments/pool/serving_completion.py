@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from raylane import tracing
 from raylane.deployments.pool.completion_echo import Echo
 from raylane.deployments.pool.logprobs import joined, output_logprobs, vllm_prompt_logprobs
 from raylane.deployments.pool.serving import (
@@ -62,7 +63,8 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             # A large prompt is encoded off the replica's event loop (deployments/pool/tokenize_offload.py).
             encode_all = lambda: [self._prompt_ids(p) for p in req.prompts()]  # noqa: E731
-            prompts = await tokenize_off_loop(encode_all, req.prompt)
+            with tracing.span("pool.tokenize"):
+                prompts = await tokenize_off_loop(encode_all, req.prompt)
             for ids in prompts:
                 self.check_length(len(ids), params.max_tokens, "prompt")
             await self._compile(params, grammar_param(req), tenant)

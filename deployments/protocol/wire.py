@@ -130,7 +130,8 @@ class PoolRequest:
     parameters, the tool plan (chat, responses), the fields a Responses object repeats (`echo`), its
     id; then what the gateway decides per call: the tier's `priority` and the caller's key id as
     `tenant` (the engine schedules by both), the LoRA `adapter` the client named (by its served
-    name) and, when a stream goes on after its replica died, the stream's `resume` state."""
+    name), when a stream goes on after its replica died, the stream's `resume` state, and per call
+    the W3C `trace` carrier."""
 
     endpoint: Literal["chat", "completions", "responses"]
     body: ChatCompletionRequest | CompletionRequest
@@ -145,11 +146,18 @@ class PoolRequest:
     cache_salt: str = ""
     adapter: AdapterRef | None = None
     resume: ResumeState | None = None
+    # The W3C trace context (`traceparent`, `tracestate`) of the gateway's span of this call: the pool
+    # replica's spans continue it (raylane/tracing.py). None: not traced.
+    trace: dict[str, str] | None = None
 
-    def call(self, handle: Any, resume: ResumeState | None = None) -> Any:
-        """The pool's streaming call for this request on `handle` (a pool's Serve handle)."""
+    def call(
+        self, handle: Any, resume: ResumeState | None = None, trace: dict[str, str] | None = None
+    ) -> Any:
+        """The pool's streaming call for this request on `handle` (a pool's Serve handle), with its
+        `resume` state and the trace `carrier` of the gateway's span of the call."""
         method = getattr(handle.options(stream=True), self.endpoint)
-        return method.remote(self if resume is None else replace(self, resume=resume))
+        changes = {k: v for k, v in (("resume", resume), ("trace", trace)) if v is not None}
+        return method.remote(replace(self, **changes) if changes else self)
 
 
 def sse_error(error: OpenAIError) -> str:
