@@ -66,6 +66,13 @@ class BatchConfig(StrictModel):
     max_concurrent_uploads_per_key: int = Field(
         2, ge=1, description="uploads to /v1/files one API key may have in progress at once (429 past it)"
     )
+    max_concurrent_uploads: int = Field(
+        8,
+        ge=1,
+        description="uploads to /v1/files of all keys in progress at once (429 past it): Serve's replica "
+        "buffers a body as fast as its proxy sends it, so a gateway replica may hold up to this many "
+        "files' worth (max_file_bytes each) of memory while they arrive",
+    )
     max_upload_bytes_per_minute_per_key: int = Field(
         256 * 2**20,
         ge=1,

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from raylane import tracing
+from raylane import heap, tracing
 from raylane.config.batch import BatchConfig
 from raylane.deployments.batch.lines import (
     InputFile,
@@ -94,6 +94,7 @@ class BatchRunner:
             self.stopped.pop(batch_id, None)
             self._traces.pop(batch_id, None)
             tracing.end(span)
+            heap.trim_soon()  # its lines' results (up to max_line_result_bytes each) passed here
 
     async def _run(self, batch_id: str, key_id: str) -> None:
         batch = self.store.batch(batch_id)

@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from raylane import tracing
+from raylane import heap, tracing
 from raylane.config.batch import BatchConfig
 from raylane.deployments.batch.lines import LineCaps
 from raylane.deployments.batch.quota import OUTPUT_FILES, QuotaError, StorageQuota
@@ -68,6 +68,7 @@ class BatchService:
             self.config.max_concurrent_uploads_per_key,
             max_file,
             UploadBudget(self.config.max_upload_bytes_per_minute_per_key),
+            self.config.max_concurrent_uploads,
         )
         self.tasks: dict[str, asyncio.Task] = {}
         self.metrics = BatchMetrics()
@@ -141,10 +142,14 @@ class BatchService:
         await self.uploads.write(upload_id, chunk)
 
     async def finish_upload(self, upload_id: str, filename: str, purpose: str) -> dict:
-        return await self.uploads.finish(upload_id, filename, purpose, self.config.file_ttl_s)
+        try:
+            return await self.uploads.finish(upload_id, filename, purpose, self.config.file_ttl_s)
+        finally:
+            heap.trim_soon()  # the file's chunks passed through here (raylane/heap.py)
 
-    def abort_upload(self, upload_id: str) -> None:
+    async def abort_upload(self, upload_id: str) -> None:
         self.uploads.abort(upload_id)
+        heap.trim_soon()
 
     def file(self, owner: str, file_id: str) -> dict:
         record = self.store.file(file_id, owner)

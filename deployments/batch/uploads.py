@@ -77,15 +77,29 @@ def quota_error(e: QuotaError) -> OpenAIError:
 
 class Uploads:
     def __init__(
-        self, store: BatchStore, quota: StorageQuota, max_per_key: int, max_bytes: int, budget: UploadBudget
+        self,
+        store: BatchStore,
+        quota: StorageQuota,
+        max_per_key: int,
+        max_bytes: int,
+        budget: UploadBudget,
+        max_uploads: int,
     ) -> None:
         self.store, self.quota, self.max_per_key, self.max_bytes = store, quota, max_per_key, max_bytes
-        self.budget = budget
+        self.budget, self.max_uploads = budget, max_uploads
         self._uploads: dict[str, Upload] = {}
 
     def begin(self, owner: str, key_id: str, declared: int | None) -> str:
         """An upload's id, its place and `declared` bytes (unknown: the largest file) reserved."""
         self.drop_idle()
+        if len(self._uploads) >= self.max_uploads:
+            raise OpenAIError(
+                f"{self.max_uploads} uploads are in progress on this cluster (batch.max_concurrent_uploads): "
+                "retry when one has finished.",
+                status=429,
+                code="too_many_uploads",
+                retry_after=RETRY_AFTER_S,
+            )
         if sum(1 for u in self._uploads.values() if u.key_id == key_id) >= self.max_per_key:
             raise OpenAIError(
                 f"This API key has {self.max_per_key} uploads in progress already "

@@ -389,7 +389,7 @@ def cpu_spent(before: dict[str, float]) -> dict[str, float]:
 
 
 def batch_actor_pss_mb() -> float:
-    """The app's batch actor's memory (proportional set size, MiB)."""
+    """The app's batch actor's memory (proportional set size, MiB, without Ray's object store)."""
     import ray
 
     from raylane.bench.common import process_tree_pss_mib
@@ -398,7 +398,7 @@ def batch_actor_pss_mb() -> float:
 
     actor = ray.get_actor(service_name(APP), namespace=NAMESPACE)
     pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
-    return sum(pss for _, _, pss in process_tree_pss_mib(root=pid).values())
+    return sum(pss for _, _, pss in process_tree_pss_mib(root=pid, shmem=False).values())
 
 
 def p95(values: list[float]) -> float:
@@ -422,7 +422,7 @@ def test_one_key_abusing_the_api_does_not_hurt_another(app, report):
         json_mode = chat_body(response_format={"type": "json_object"})
         assert http.post("/v1/chat/completions", json=json_mode).status_code == 200
         assert http.get("/v1/files").status_code == 200  # the batch actor is up
-    memory_before = replica_tree_pss_mb(APP)["Gateway"]
+    memory_before = replica_tree_pss_mb(APP, shmem=False)["Gateway"]
     batch_memory_before = batch_actor_pss_mb()
     victim_process = module_process("--victim", app)
     attacker_process = module_process("--attacker", app)
@@ -448,12 +448,12 @@ def test_one_key_abusing_the_api_does_not_hurt_another(app, report):
             attacks[name] = json.loads(attacker_process.stdout.readline())
             windows[name] = (start, time.monotonic())
             server_cpu[name] = cpu_spent(cpu_before)
-            gateway_memory[name] = round(replica_tree_pss_mb(APP)["Gateway"] - memory_before)
+            gateway_memory[name] = round(replica_tree_pss_mb(APP, shmem=False)["Gateway"] - memory_before)
     finally:
         attacker_process.stdin.close()
         samples = json.loads(victim_process.communicate("", timeout=120)[0])
         attacker_process.wait(30)
-    memory_growth = replica_tree_pss_mb(APP)["Gateway"] - memory_before
+    memory_growth = replica_tree_pss_mb(APP, shmem=False)["Gateway"] - memory_before
     batch_memory_growth = batch_actor_pss_mb() - batch_memory_before
 
     def latencies(spans, kind="chat") -> list[float]:

@@ -291,7 +291,7 @@ async def test_a_keys_uploads_past_its_cap_are_refused_with_retry_after(tmp_path
         service.begin_upload("me", "other-client", 100)
     await service.upload_chunk(first, b"{}")
     assert (await service.finish_upload(first, "a.jsonl", "batch"))["bytes"] == 2
-    service.abort_upload(service.begin_upload("you", "k3", 100))  # an aborted upload frees its place
+    await service.abort_upload(service.begin_upload("you", "k3", 100))  # an aborted upload frees its place
     assert service.quota.usage("you").files == 0
 
 
@@ -308,7 +308,20 @@ async def test_a_keys_upload_bytes_a_minute_are_bounded_and_unsent_bytes_come_ba
     assert refused.value.status == 429 and refused.value.code == "upload_rate_exceeded"
     assert "batch.max_upload_bytes_per_minute_per_key" in refused.value.message
     assert 1 <= refused.value.retry_after <= 60
-    service.abort_upload(service.begin_upload("you", "k2", 900))  # another key's budget is its own
+    await service.abort_upload(service.begin_upload("you", "k2", 900))  # another key's budget is its own
     await service.upload_chunk(first, b"x" * 100)
     await service.finish_upload(first, "a.jsonl", "batch")  # sent 100 of 600: 500 come back
-    service.abort_upload(service.begin_upload("me", "k", 800))
+    await service.abort_upload(service.begin_upload("me", "k", 800))
+
+
+async def test_uploads_of_all_keys_at_once_are_capped(tmp_path):
+    """Each upload's body can sit in a gateway replica's memory while it arrives (Serve buffers it):
+    past `batch.max_concurrent_uploads` of all keys, a 429 naming it; a finished one frees its place."""
+    service = make_service(tmp_path, max_concurrent_uploads=2)
+    first = service.begin_upload("a", "ka", 10)
+    service.begin_upload("b", "kb", 10)
+    with pytest.raises(OpenAIError) as refused:
+        service.begin_upload("c", "kc", 10)
+    assert refused.value.status == 429 and "batch.max_concurrent_uploads" in refused.value.message
+    await service.finish_upload(first, "a.jsonl", "batch")
+    service.begin_upload("c", "kc", 10)

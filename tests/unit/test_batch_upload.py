@@ -87,3 +87,27 @@ async def test_an_upload_past_the_file_limit_is_stopped_and_its_reservation_give
         await batch_api(actor, max_file_bytes=2**20).upload(FakeRequest(blocks=64), PRINCIPAL)
     assert refused.value.status == 413 and actor.aborted == ["u1"]
     assert sum(actor.chunks) <= 2**20 + 64 * 1024 + len(BLOCK)  # it stopped reading there
+
+
+async def test_a_key_the_actor_refused_is_refused_here_until_its_retry_after():
+    """A flood of uploads from a key over its budget costs the batch actor one refusal: the rest are
+    turned away by the gateway with what is left of the Retry-After, and another key is not."""
+    actor = FakeActor()
+    calls = []
+
+    def begin(owner, key_id, declared):
+        calls.append(key_id)
+        if key_id == "key-a":
+            raise OpenAIError("over budget", status=429, code="upload_rate_exceeded", retry_after=30)
+        return "u2"
+
+    actor.begin_upload = Remote(begin)
+    api = batch_api(actor)
+    for _ in range(5):
+        with pytest.raises(OpenAIError) as refused:
+            await api.upload(FakeRequest(blocks=1), PRINCIPAL)
+        assert refused.value.status == 429 and refused.value.code == "upload_rate_exceeded"
+        assert 0 < refused.value.retry_after <= 30
+    other = Principal("key-b", PRINCIPAL.tier)
+    assert (await api.upload(FakeRequest(blocks=1), other))["id"] == "file-1"
+    assert calls == ["key-a", "key-b"]
