@@ -19,9 +19,9 @@ def servers():
         yield fleet
 
 
-def ask(router: VllmRouter, question: str, **extra):
+def ask(router: VllmRouter, question: str, system: str = SYSTEM, **extra):
     client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=60)
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
     return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, **extra)
 
 
@@ -36,11 +36,11 @@ def test_vllm_router_streams_from_the_sim_servers(servers):
 
 
 def test_cache_aware_sends_a_known_prefix_where_it_is_cached(servers):
+    system = "You review pull requests for a billing service. " * 40  # not sent by the test before
     with VllmRouter("cache_aware", servers.urls) as router:
-        first = ask(router, "First question about the diff?")
-        later = [ask(router, f"Question {i} about the diff?") for i in range(4)]
+        first = ask(router, "First question about the diff?", system)
+        later = [ask(router, f"Question {i} about the diff?", system) for i in range(4)]
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    # Every later request lands where the system prompt already is: its blocks come from the cache.
-    assert all(r.usage.prompt_tokens_details.cached_tokens >= 384 for r in later), [
-        r.usage.prompt_tokens_details.cached_tokens for r in later
-    ]
+    # Every later request lands where the system prompt already is: its whole blocks come from the cache.
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in later]
+    assert all(c > first.usage.prompt_tokens // 2 for c in cached), (cached, first.usage.prompt_tokens)
