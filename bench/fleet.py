@@ -130,7 +130,7 @@ def stop(processes: list[subprocess.Popen]) -> None:
 def raylane_config(profile: str, replicas: int, max_num_seqs: int | None, ingress: str) -> dict:
     """raylane's app for the same fleet: one pool of `replicas` simulated replicas, open mode (the
     `open` tier: no rate limits, as vllm-router has none), prefix-aware replica routing (the
-    default)."""
+    default), no cap on a replica's streams but its engine's."""
     engine = {"cpus_per_rank": 0.01} | ({"max_num_seqs": max_num_seqs} if max_num_seqs else {})
     return {
         "http": {"ingress": ingress},
@@ -141,7 +141,13 @@ def raylane_config(profile: str, replicas: int, max_num_seqs: int | None, ingres
                 "name": "sim",
                 "model": f"sim:{profile}",
                 "engine": engine,
-                "replicas": {"min_replicas": replicas, "max_replicas": replicas},
+                # vllm-router forwards every stream at once: so does the pool here (its default of
+                # 64 a replica would hold an L4 profile's engine, 256 sequences, to a quarter).
+                "replicas": {
+                    "min_replicas": replicas,
+                    "max_replicas": replicas,
+                    "max_ongoing_requests": 4096,
+                },
             }
         ],
         "router": {"routes": [{"name": "chat", "pool": "sim"}]},

@@ -156,7 +156,11 @@ class RouterConfig(StrictModel):
     circuit_breaker: CircuitBreakerConfig = Field(default_factory=CircuitBreakerConfig)
     affinity: AffinityConfig = Field(default_factory=AffinityConfig)
     default_max_in_flight: int = Field(
-        64, ge=1, description="requests the gateway sends a pool at once unless the pool sets its own"
+        64,
+        ge=1,
+        description="requests the gateway sends a pool at once unless the pool sets its own "
+        "(`pools[].max_in_flight`), or more when its replicas take more: max_replicas x "
+        "max_ongoing_requests",
     )
     default_max_waiting: int = Field(
         256, ge=0, description="requests that may wait for one pool (all tiers) unless the pool sets its own"

@@ -212,7 +212,7 @@ class Router:
 def _limits(config: RouterConfig, pool: PoolSpec) -> tuple[int, int]:
     """(requests the pool takes at once, requests that may wait for it)."""
     max_waiting = config.default_max_waiting if pool.max_waiting is None else pool.max_waiting
-    return pool.max_in_flight or config.default_max_in_flight, max_waiting
+    return pool.max_in_flight or max(config.default_max_in_flight, pool.replica_capacity), max_waiting
 
 
 def _fits(pool: PoolSpec, prompt_tokens: int | None) -> bool:

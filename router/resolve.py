@@ -22,6 +22,7 @@ class PoolSpec:
     model_id: str | None = None  # the served model id clients may name (OpenAI `model`)
     max_context_len: int | None = None  # prompt tokens it accepts; None = no limit known
     max_in_flight: int | None = None  # requests the gateway sends at once; None = RouterConfig default
+    replica_capacity: int = 0  # what the pool's replicas take at once, at most (max_replicas x max_ongoing)
     max_waiting: int | None = None  # requests that may queue for it; None = RouterConfig default
     adapters: tuple[str, ...] = ()  # names of the LoRA adapters it serves
 

@@ -72,6 +72,7 @@ def pool_specs(config: ClusterConfig, adapters: dict[str, dict[str, str]] | None
             model_id=p.model_id,
             max_context_len=p.engine.max_model_len,
             max_in_flight=p.max_in_flight,
+            replica_capacity=p.replicas.max_replicas * p.replicas.max_ongoing_requests,
             max_waiting=p.max_waiting,
             adapters=tuple(p.adapters if adapters is None else adapters.get(p.name, {})),
         )

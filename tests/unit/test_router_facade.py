@@ -238,3 +238,34 @@ async def test_a_classifier_that_fails_on_a_text_routes_it_to_the_default_route(
     router = Router(config, default_tiers(), KEYS, pools, classifier=Broken())
     resolution = await router.resolve_async("auto", [{"role": "user", "content": "x"}])
     assert resolution.route == config.default_route and resolution.decision.method == "default"
+
+
+def test_a_pool_of_many_replicas_gets_as_many_streams_at_once_as_they_take():
+    """Without a `max_in_flight` of its own, a pool takes what its replicas take (max_replicas x
+    max_ongoing_requests) when that passes the router's default: a 16-replica pool held to 64
+    streams by the gateway ran at a quarter of its engines' throughput (`raylane bench scale`)."""
+    from raylane.config import ClusterConfig
+    from raylane.deployments.gateway.routing import pool_specs
+
+    config = ClusterConfig.from_dict(
+        {
+            "pools": [
+                {
+                    "name": "coding",
+                    "model": "sim:llama-3.1-8b-l4",
+                    "replicas": {"min_replicas": 16, "max_replicas": 16},
+                },
+                {"name": "chat", "model": "sim:llama-3.1-8b-l4"},
+                {
+                    "name": "reasoning",
+                    "model": "sim:llama-3.1-8b-l4",
+                    "max_in_flight": 8,
+                    "replicas": {"min_replicas": 4, "max_replicas": 4},
+                },
+            ]
+        }
+    )
+    router = make_router(pools=pool_specs(config))
+    assert router.pool_load("coding").capacity == 16 * 64
+    assert router.pool_load("chat").capacity == 64  # the default, as before
+    assert router.pool_load("reasoning").capacity == 8  # a pool's own setting wins
