@@ -20,6 +20,7 @@ from pathlib import Path
 
 from raylane.deployments.batch.quota import QuotaError, StorageQuota
 from raylane.deployments.batch.store import BatchStore, now
+from raylane.deployments.protocol.batch_answers import UPLOAD_RATE_EXCEEDED
 from raylane.deployments.protocol.errors import OpenAIError
 
 IDLE_S = 120.0  # an upload with no chunk for this long is dropped
@@ -58,7 +59,7 @@ class UploadBudget:
                 f"(batch.max_upload_bytes_per_minute_per_key); this upload declares {size}: retry in "
                 f"{wait:.0f} s.",
                 status=429,
-                code="upload_rate_exceeded",
+                code=UPLOAD_RATE_EXCEEDED,
                 retry_after=max(1.0, wait),
             )
         self._level[key_id] = (left - size, time.monotonic())

@@ -29,6 +29,7 @@ from raylane.config import ClusterConfig
 from raylane.deployments.gateway.request_body import body_too_large, parse_bytes
 from raylane.deployments.gateway.responses_api import owner as response_owner
 from raylane.deployments.gateway.upload_form import FILE_CHUNK, FormReader, boundary_of
+from raylane.deployments.protocol.batch_answers import UPLOAD_RATE_EXCEEDED
 from raylane.deployments.protocol.batch_schemas import BatchCreateRequest
 from raylane.deployments.protocol.errors import OpenAIError, client_error, invalid, unavailable
 from raylane.router import Principal
@@ -56,10 +57,12 @@ def check_batches_allowed(principal: Principal) -> None:
 
 
 class RefusedUploads:
-    """Keys the batch actor turned an upload away for (429), until the Retry-After it gave: their next
+    """Keys the batch actor turned an upload away for being over their upload budget, until the
+    Retry-After it gave (a budget refills with time only, so nothing frees it sooner): their next
     uploads are refused here, without the actor's round trip, while Serve's proxy goes on reading the
     body (each refusal cost the proxy and the gateway ~50 ms of CPU under a flood of 64 MiB uploads).
-    The actor stays the authority; this only answers sooner. At most MAX_KEYS are remembered."""
+    A refusal for uploads in progress is not remembered: one finishing frees its place at once. At
+    most MAX_KEYS are remembered."""
 
     MAX_KEYS = 10_000
 
@@ -78,7 +81,7 @@ class RefusedUploads:
         raise OpenAIError(error.message, status=429, param=error.param, code=error.code, retry_after=left)
 
     def remember(self, key_id: str, error: OpenAIError) -> None:
-        if error.status == 429 and error.retry_after:
+        if error.code == UPLOAD_RATE_EXCEEDED and error.retry_after:
             self._until[key_id] = (time.monotonic() + error.retry_after, error)
             self._until.move_to_end(key_id)
             while len(self._until) > self.MAX_KEYS:

@@ -13,6 +13,7 @@ KEY_REVOKED = "api_key_revoked"
 BATCHES_NOT_ALLOWED = "batches_not_allowed"
 BUDGET_EXCEEDED = "batch_tokens_per_minute_exceeded"
 LINE_TOO_LARGE = "line_result_too_large"
+UPLOAD_RATE_EXCEEDED = "upload_rate_exceeded"  # an upload past its key's bytes a minute
 STOPS_BATCH = (KEY_REVOKED, BATCHES_NOT_ALLOWED)
 
 

@@ -111,3 +111,21 @@ async def test_a_key_the_actor_refused_is_refused_here_until_its_retry_after():
     other = Principal("key-b", PRINCIPAL.tier)
     assert (await api.upload(FakeRequest(blocks=1), other))["id"] == "file-1"
     assert calls == ["key-a", "key-b"]
+
+
+async def test_a_refusal_for_uploads_in_progress_is_asked_again_next_time():
+    """One finishing frees a key's place at once: the next upload goes to the actor, not refused here."""
+    actor = FakeActor()
+    answers = iter([OpenAIError("2 in progress", status=429, code="too_many_uploads", retry_after=5), "u3"])
+
+    def begin(owner, key_id, declared):
+        answer = next(answers)
+        if isinstance(answer, OpenAIError):
+            raise answer
+        return answer
+
+    actor.begin_upload = Remote(begin)
+    api = batch_api(actor)
+    with pytest.raises(OpenAIError):
+        await api.upload(FakeRequest(blocks=1), PRINCIPAL)
+    assert (await api.upload(FakeRequest(blocks=1), PRINCIPAL))["id"] == "file-1"
