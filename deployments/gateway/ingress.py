@@ -558,8 +558,10 @@ class Gateway:
             else:
                 response = await serve(principal, body, charge)
             pool = response.headers.get("x-raylane-pool")
-            # Busy: interactive requests are on the pool (or anything waits): the batch steps back.
-            busy = pool is not None and self.router.others_on(pool, BATCH_TIER)
+            # Busy: interactive requests are on the pool (or anything waits): the batch steps back. A
+            # line computed here (embeddings) shares this replica's CPU with every pool's requests.
+            pools = [pool] if pool is not None else [p.name for p in self.config.pools]
+            busy = any(self.router.others_on(p, BATCH_TIER) for p in pools)
             result = bytes(response.body)
             if len(result) > self.config.batch.max_line_result_bytes:  # never shipped to the actor
                 return 413, json.dumps(line_too_large(len(result), self.config.batch).to_dict()), busy

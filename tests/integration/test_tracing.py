@@ -108,7 +108,14 @@ def assert_nothing_secret(spans: list[ReceivedSpan]) -> None:
 
 
 def is_engine_done(spans: list[ReceivedSpan]) -> bool:
-    return bool(by_name(spans, "engine.request")) and bool(by_name(spans, "POST /v1/chat/completions"))
+    """The gateway's root, a pool replica's server span and the engine's are in: three processes,
+    each exporting its spans as they end, in no set order."""
+    pools = [s for s in by_name(spans, f"chat {MODEL}") if s.instance.startswith(f"pool:{MODEL}:")]
+    return (
+        bool(by_name(spans, "engine.request"))
+        and bool(by_name(spans, "POST /v1/chat/completions"))
+        and bool(pools)
+    )
 
 
 def test_a_streamed_chat_request_is_one_trace_from_the_gateway_to_the_engine_core(app, receiver):
@@ -178,8 +185,15 @@ def test_a_stream_resumed_on_another_replica_shows_both_replicas(app, receiver):
     assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
 
     def survivor_done(spans: list[ReceivedSpan]) -> bool:
+        """The survivor's engine span and its pool replica's span are in: each process exports its
+        own spans when they end (the pool's after the stream, the engine core's maybe before)."""
         engines = [s for s in by_name(spans, "engine.request") if not s.instance.startswith(render.instance)]
-        return is_engine_done(spans) and bool(engines)
+        pools = [
+            s
+            for s in by_name(spans, f"chat {MODEL}")
+            if s.instance.startswith(f"pool:{MODEL}:") and s.instance != render.instance
+        ]
+        return is_engine_done(spans) and bool(engines) and bool(pools)
 
     spans = receiver.wait_for(client_trace, survivor_done, what="the resumed stream's spans")
 
