@@ -16,7 +16,8 @@ pause of the same length in which the victim's unloaded latency is sampled (so u
 windows alternate, and the machine's drift over the run weighs on both alike). The report gives the
 CPU seconds Serve's proxy and each replica spent in every window (`server_cpu_s`): what a class costs the
 server, next to what it costs the victim; `rest` is what everything else on the machine took (the
-clients, Ray's own processes), `steal` what the VM's host gave to other guests.
+clients, Ray's own processes), `steal` what the VM's host gave to other guests; a class whose window
+lost more than MAX_STEAL_S to them is measured again, once.
 
 Asserted for each class: the victim's p95 latency under 5 s, and within BOUND times its unloaded
 p95 (not yet for the classes in NOT_YET_BOUND: reported); no error to the victim (chat or /health);
@@ -310,6 +311,10 @@ RATES = {"parallel 64 MiB uploads": 2}
 # raylane does not schedule: one 64 MiB upload through Serve's proxy (~0.7 s of it in a second or two,
 # the proxy reading the body whatever the gateway answers), and a batch's ~3.6 MB line results passing
 # gateway -> batch actor -> store.
+# A window in which the VM's host took more than this of the two cores (`steal`, from /proc/stat) is
+# measured again, once: the host's other guests are neither raylane nor the attacker, and at 1-2 s of
+# steal in 8 s every class, old and new, came out 1.8-2.7x against ~1.5x in quiet windows.
+MAX_STEAL_S = 0.5
 NOT_YET_BOUND = {"batch with huge output lines", "parallel 64 MiB uploads"}
 BEFORE = {"batch with huge output lines": upload_batch_input}  # run before the class's window
 AFTER = {"batch with huge output lines": end_batches, "parallel 64 MiB uploads": delete_uploads}  # in it
@@ -445,6 +450,7 @@ def test_one_key_abusing_the_api_does_not_hurt_another(app, report):
     attacks: dict[str, dict] = {}
     gateway_memory: dict[str, int] = {}  # class -> the gateway's growth after it, MiB
     server_cpu: dict[str, dict[str, float]] = {}  # window -> the server's CPU seconds in it, by process
+    stolen: dict[str, float] = {}  # class -> the steal of its first window, when it was measured again
     try:
         assert attacker_process.stdout.readline().strip() == "ready"
         time.sleep(2)  # the victim's process starts
@@ -455,13 +461,18 @@ def test_one_key_abusing_the_api_does_not_hurt_another(app, report):
                 time.sleep(ATTACK_S)
                 unloaded.append((start, time.monotonic()))
                 server_cpu[f"unloaded {len(unloaded)}"] = cpu_spent(cpu_before)
-            attacker_process.stdin.write(name + "\n")
-            attacker_process.stdin.flush()
-            assert attacker_process.stdout.readline().strip() == "go"
-            start, cpu_before = time.monotonic(), serve_cpu_s(APP)
-            attacks[name] = json.loads(attacker_process.stdout.readline())
-            windows[name] = (start, time.monotonic())
-            server_cpu[name] = cpu_spent(cpu_before)
+            for _ in range(2):  # once more if the VM's host took the CPU meanwhile (MAX_STEAL_S)
+                attacker_process.stdin.write(name + "\n")
+                attacker_process.stdin.flush()
+                assert attacker_process.stdout.readline().strip() == "go"
+                start, cpu_before = time.monotonic(), serve_cpu_s(APP)
+                attacks[name] = json.loads(attacker_process.stdout.readline())
+                windows[name] = (start, time.monotonic())
+                server_cpu[name] = cpu_spent(cpu_before)
+                if server_cpu[name].get("steal", 0) <= MAX_STEAL_S or name in stolen:
+                    break
+                stolen[name] = server_cpu[name]["steal"]
+                time.sleep(1)
             gateway_memory[name] = round(replica_tree_pss_mb(APP, shmem=False)["Gateway"] - memory_before)
     finally:
         attacker_process.stdin.close()
@@ -495,6 +506,7 @@ def test_one_key_abusing_the_api_does_not_hurt_another(app, report):
             "gateway_memory_growth_mib": gateway_memory[name],
             "server_cpu_s": server_cpu[name],
             "proxy_and_gateway_ms_per_attack": round(1000 * front_cpu / sent),
+            "measured_again_after_steal_s": stolen.get(name),
         }
     report(
         "noisy neighbour: unloaded windows",
