@@ -50,7 +50,6 @@ from raylane.bench.stream_load import Stream, Target, run_load
 
 TARGETS = ("raylane", *(f"vllm-router:{p}" for p in ROUTER_POLICIES), "direct")
 MODEL = "sim"  # what raylane's pool is called; the sim-servers answer to their profile's model id
-MEMORY_PER_REPLICA_GIB = 0.35  # a raylane replica (~0.20) and a sim-server (~0.15), measured
 
 
 def int_list(text: str) -> list[int]:
