@@ -148,25 +148,26 @@ class Draining(OpenAIError):
         )
 
 
-def _refund(request: Request) -> None:
-    """A request answered with an error before it was served gives back its up-front token charge.
-    (A 4xx from a pool keeps its prompt's part: `Dispatcher`. One found here cost the gateway a
-    bounded parse of what the body's bytes were charged for; its request still counts.)"""
+def _settle(request: Request, status: int) -> None:
+    """A request answered with an error before it was served settles its up-front token charge as
+    a pool's error does (`RateCharge.settle_error`): the client's own 4xx keeps the part charged for
+    the body's bytes, which the gateway read and parsed; a 429 or a 5xx gives all back. (Refunded in
+    full, a key could send invalid 200 KB bodies at any rate and never meet its tokens/min.)"""
     charge = getattr(request.state, "rate_charge", None)
     if charge is not None:
-        charge.settle(0)
+        charge.settle_error(status)
 
 
 @app.exception_handler(OpenAIError)
 async def _openai_error(request: Request, error: OpenAIError) -> JSONResponse:
-    _refund(request)
+    _settle(request, error.status)
     headers = {"retry-after": str(RETRY_AFTER_S)} if isinstance(error, Draining) else None
     return error_response(error, headers)
 
 
 @app.exception_handler(RouterError)
 async def _router_error(request: Request, error: RouterError) -> JSONResponse:
-    _refund(request)
+    _settle(request, error.status)
     return JSONResponse(error.to_openai(), status_code=error.status, headers=error.headers())
 
 
@@ -178,7 +179,7 @@ async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse
 
 @app.exception_handler(Exception)
 async def _unexpected(request: Request, error: Exception) -> JSONResponse:
-    _refund(request)
+    _settle(request, 500)
     logger.exception("unhandled error in the gateway")
     return error_response(internal_error())
 

@@ -21,16 +21,17 @@ from tests.reliability.test_untrusted_input import assert_openai_error
 
 APP = "auth"
 RUN = uuid.uuid4().hex[:12]
-TIERS = ("premium", "free", "limited", "metered", "embedder", "counter", "sized")
+TIERS = ("premium", "free", "limited", "metered", "embedder", "counter", "sized", "invalid")
 KEYS = {tier: f"sk-canary-{tier}-{RUN}" for tier in TIERS}
 WRONG_KEY = f"sk-canary-wrong-{RUN}"
-PRIORITY = {"premium": 0, "limited": 1, "metered": 1, "embedder": 1, "counter": 1, "sized": 1, "free": 2}
+PRIORITY = {"premium": 0, "limited": 1, "metered": 1, "embedder": 1, "counter": 1, "sized": 1, "invalid": 1, "free": 2}
 LIMITS = {
     "limited": {"requests_per_minute": 3},
     "metered": {"tokens_per_minute": 50},
     "embedder": {"tokens_per_minute": 100},
     "counter": {"tokens_per_minute": 100},
     "sized": {"tokens_per_minute": 1000},
+    "invalid": {"tokens_per_minute": 1000},
 }
 HI = [{"role": "user", "content": "hi"}]
 
@@ -215,6 +216,20 @@ def test_a_body_the_key_cannot_afford_is_refused_before_it_is_sent(http, keyed):
         conn.close()
     assert response.status == 429 and error["code"] == "rate_limit_exceeded", error
     assert "tokens/min" in error["message"] and int(response.getheader("retry-after")) >= 1
+
+
+def test_an_invalid_body_is_charged_the_bytes_the_gateway_read(http):
+    """A body the gateway reads and refuses (400) keeps its charge for those bytes: a key sending
+    invalid 8 KB bodies (~2,000 tokens) meets its 1,000 tokens/min at the first, and what follows is
+    a 429 that costs the gateway no read. (Refunded in full, invalid 200 KB bodies at 20 a second
+    never met the limit: the gateway parsed every one, and another key's latency doubled.)"""
+    invalid = {"model": "chat", "messages": "x" * 8000}
+    r = http.post("/v1/chat/completions", json=invalid, headers=bearer(KEYS["invalid"]))
+    assert assert_openai_error(r, 400)["param"] == "messages", r.text
+    for body in (invalid, {"model": "chat", "messages": HI, "max_tokens": 1}):
+        r = http.post("/v1/chat/completions", json=body, headers=bearer(KEYS["invalid"]))
+        assert assert_openai_error(r, 429)["code"] == "rate_limit_exceeded"
+        assert "tokens/min" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(
