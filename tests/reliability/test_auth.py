@@ -24,7 +24,16 @@ RUN = uuid.uuid4().hex[:12]
 TIERS = ("premium", "free", "limited", "metered", "embedder", "counter", "sized", "invalid")
 KEYS = {tier: f"sk-canary-{tier}-{RUN}" for tier in TIERS}
 WRONG_KEY = f"sk-canary-wrong-{RUN}"
-PRIORITY = {"premium": 0, "limited": 1, "metered": 1, "embedder": 1, "counter": 1, "sized": 1, "invalid": 1, "free": 2}
+PRIORITY = {
+    "premium": 0,
+    "limited": 1,
+    "metered": 1,
+    "embedder": 1,
+    "counter": 1,
+    "sized": 1,
+    "invalid": 1,
+    "free": 2,
+}
 LIMITS = {
     "limited": {"requests_per_minute": 3},
     "metered": {"tokens_per_minute": 50},
