@@ -38,7 +38,7 @@ lint:
 	$(BIN)/ruff format --check .
 
 test: install-test lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=40
 
 # The compatibility suite (tests/compat/): openai-agents, pydantic-ai, instructor, langchain-openai,
 # llama-index, litellm, lm-eval, guidellm and aiperf against one live `raylane serve` (run from .venv).

@@ -162,6 +162,7 @@ def read_line(raw: str, number: int, caps: LineCaps | int) -> tuple[InputLine | 
         return None, (custom_id, "invalid_body", "A batch request cannot stream (body.stream).")
     if (problem := over_caps(body, caps)) is not None:
         return None, (custom_id, *problem)
+    body = with_token_cap(url, body, caps)
     try:
         encoded = json.dumps(body, ensure_ascii=False).encode()
     except RecursionError:
@@ -192,6 +193,31 @@ def over_caps(body: dict, caps: LineCaps) -> tuple[str, str] | None:
                 f"body.{name} is {value}."
             )
     return None
+
+
+# The field each generation endpoint reads its limit from, as OpenAI names it today.
+TOKEN_LIMIT_FIELD = {
+    "/v1/chat/completions": "max_completion_tokens",
+    "/v1/completions": "max_tokens",
+    "/v1/responses": "max_output_tokens",
+}
+
+
+def with_token_cap(url: str, body: dict, caps: LineCaps) -> dict:
+    """`body` with `batch.max_line_tokens` as its limit when it sets none: such a line would
+    otherwise generate up to the pool's context, past the cap a line that names a limit is held to.
+    (A completions line that leaves `max_tokens` out has OpenAI's default, 16; an explicit null is
+    no limit, and gets the cap.)"""
+    name = TOKEN_LIMIT_FIELD.get(url)
+    if name is None or caps.max_tokens is None:
+        return body
+    if any(
+        body.get(field) is not None for field in ("max_tokens", "max_completion_tokens", "max_output_tokens")
+    ):
+        return body
+    if url == "/v1/completions" and "max_tokens" not in body:
+        return body
+    return {**body, name: caps.max_tokens}
 
 
 def output_line(custom_id: str, status_code: int, body: Any) -> dict:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from raylane.deployments.batch.lines import LineCaps, error_line, read_input, record_text
+from raylane.deployments.batch.lines import LineCaps, error_line, read_input, read_line, record_text
 from raylane.deployments.batch.store import BatchStore
 from raylane.deployments.batch.window import Window
 from tests.postgresql_server import postgresql_url  # noqa: F401  (a fixture)
@@ -107,6 +107,32 @@ def test_a_line_asking_for_more_choices_or_tokens_than_a_batch_line_may_is_an_er
     assert "batch.max_line_n" in rejected["prompts"][1]
     assert rejected["tokens"][0] == rejected["output"][0] == "max_tokens_too_large"
     assert "batch.max_line_tokens" in rejected["output"][1]
+
+
+def test_a_line_that_sets_no_token_limit_gets_the_batch_lines_cap():
+    """A line without max_tokens would generate up to the pool's context, past the cap that a line
+    naming a limit is held to: it is sent with the cap as its limit."""
+    caps = LineCaps(max_body_bytes=10_000, max_tokens=100)
+    content = jsonl(
+        line("chat"),
+        line("chat-null", max_tokens=None, max_completion_tokens=None),
+        line("chat-own", max_tokens=7),
+        line("responses", url="/v1/responses", input="x"),
+        line("completions-default", url="/v1/completions", prompt="x"),  # OpenAI's default: 16
+        line("completions-null", url="/v1/completions", prompt="x", max_tokens=None),
+        line("embeddings", url="/v1/embeddings", input="x"),
+    )
+    bodies = {}
+    for number, raw in enumerate(content.decode().splitlines(), 1):
+        sent, _ = read_line(raw, number, caps)
+        bodies[sent.custom_id] = json.loads(sent.body)
+    assert bodies["chat"]["max_completion_tokens"] == 100
+    assert bodies["chat-null"]["max_completion_tokens"] == 100
+    assert bodies["chat-own"]["max_tokens"] == 7 and "max_completion_tokens" not in bodies["chat-own"]
+    assert bodies["responses"]["max_output_tokens"] == 100
+    assert "max_tokens" not in bodies["completions-default"]
+    assert bodies["completions-null"]["max_tokens"] == 100
+    assert set(bodies["embeddings"]) == {"model", "input"}
 
 
 def test_an_output_line_holding_unicode_line_separators_stays_one_line():
