@@ -61,7 +61,8 @@ class BatchConfig(StrictModel):
         4096,
         ge=1,
         description="most tokens a batch line may ask to generate (`max_tokens`, "
-        "`max_completion_tokens`, `max_output_tokens`); a line asking more is an error line",
+        "`max_completion_tokens`, `max_output_tokens`); a line asking more is an error line, and a line "
+        "that sets no limit is sent with this one",
     )
     max_concurrent_uploads_per_key: int = Field(
         2, ge=1, description="uploads to /v1/files one API key may have in progress at once (429 past it)"
