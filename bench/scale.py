@@ -1,7 +1,9 @@
 """`raylane bench scale`: the routing layer at fleet scale, on simulated replicas (engine/sim/).
 
 For each replica count, the same fleet of simulated engines (one hardware profile) is loaded through
-each target in turn, point by point, the order rotating from one point to the next:
+each target in turn, point by point, the order rotating from one point to the next (where both
+fleets do not fit in memory at once, as 64 replicas of each on a 24 GiB box, raylane's runs first and
+the sim-servers' after it: `--phases`):
 - `raylane`: Serve's proxy (or HAProxy with `--ingress haproxy`), the gateway, one pool of N
   simulated replicas with raylane's prefix-aware replica routing;
 - `vllm-router:round_robin`, `vllm-router:cache_aware`: the Rust router in front of N
@@ -50,6 +52,11 @@ from raylane.bench.stream_load import Stream, Target, run_load
 
 TARGETS = ("raylane", *(f"vllm-router:{p}" for p in ROUTER_POLICIES), "direct")
 MODEL = "sim"  # what raylane's pool is called; the sim-servers answer to their profile's model id
+# Proportional set size of one simulated replica (a Serve replica with its engine core) and of one
+# sim-server, measured on this box (bench/README.md, "Fleet scale"), with room for their growth
+# under load; and what the rest (Ray, Serve, the gateway, the client) needs beside them.
+REPLICA_MIB = {"raylane": 240, "sim-server": 170}
+HEADROOM_MIB = 3072
 
 
 def int_list(text: str) -> list[int]:
@@ -72,6 +79,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system-prompt-tokens", type=int, default=1000)
     parser.add_argument("--max-num-seqs", type=int, help="each engine's (default: the profile's)")
     parser.add_argument("--ingress", choices=("proxy", "haproxy"), default="proxy")
+    parser.add_argument(
+        "--phases",
+        choices=("auto", "together", "apart"),
+        default="auto",
+        help="start raylane's fleet and the sim-servers' together (targets alternate point by point) "
+        "or one after the other; auto: apart when both would not fit in this machine's memory",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
 
@@ -173,6 +187,26 @@ def model_id(url: str) -> str:
     return httpx2.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
+def phases(wanted: list[str], replicas: int, mode: str) -> list[list[str]]:
+    """The targets in the groups that are started and measured together: all at once (alternated
+    point by point, the fairest comparison on a noisy machine), or raylane's fleet and then the
+    sim-servers' (one machine holds 64 of each only one fleet at a time: `REPLICA_MIB`)."""
+    apart = [
+        group for group in (["raylane"], [t for t in wanted if t != "raylane"]) if set(group) & set(wanted)
+    ]
+    if len(apart) < 2 or mode == "together":
+        return [wanted]
+    needed = replicas * (REPLICA_MIB["raylane"] + REPLICA_MIB["sim-server"]) + HEADROOM_MIB
+    return apart if mode == "apart" or needed > available_mib() else [wanted]
+
+
+def available_mib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     wanted = [t for t in args.targets.split(",") if t]
     if unknown := set(wanted) - set(TARGETS):
@@ -180,22 +214,27 @@ def run(args: argparse.Namespace) -> int:
     workloads = [name for name in args.workload.split(",") if name]
     variant = itertools.count()
     points = [("concurrency", c) for c in args.concurrency] + [("rate", r) for r in args.request_rate]
-    results = []
+    rows: dict[
+        tuple, dict[str, dict[str, Any]]
+    ] = {}  # (replicas, workload, kind, value) -> target -> summary
     for replicas in args.replicas:
-        with ExitStack() as stack:
-            print(f"== {replicas} replicas: starting {', '.join(wanted)}", flush=True)
-            targets = fleet_targets(stack, args, replicas, wanted)
-            for name in workloads:
-                for i, (kind, value) in enumerate(points):
-                    order = wanted[i % len(wanted) :] + wanted[: i % len(wanted)]  # rotates per point
-                    row = {}
-                    for target in order:
-                        load = {"concurrency": value} if kind == "concurrency" else {"rate": value}
-                        requests = workload(name, args, next(variant))
-                        row[target] = measure(targets[target], requests, args, **load)
-                        print_point(replicas, name, kind, value, target, row[target])
-                    add_overheads(row)
-                    results.append({"replicas": replicas, "workload": name, kind: value, "targets": row})
+        for group in phases(wanted, replicas, args.phases):
+            with ExitStack() as stack:
+                print(f"== {replicas} replicas: starting {', '.join(group)}", flush=True)
+                targets = fleet_targets(stack, args, replicas, group)
+                for name in workloads:
+                    for i, (kind, value) in enumerate(points):
+                        order = group[i % len(group) :] + group[: i % len(group)]  # rotates per point
+                        row = rows.setdefault((replicas, name, kind, value), {})
+                        for target in order:
+                            load = {"concurrency": value} if kind == "concurrency" else {"rate": value}
+                            requests = workload(name, args, next(variant))
+                            row[target] = measure(targets[target], requests, args, **load)
+                            print_point(replicas, name, kind, value, target, row[target])
+    results = []
+    for (replicas, name, kind, value), row in rows.items():
+        add_overheads(row)
+        results.append({"replicas": replicas, "workload": name, kind: value, "targets": row})
     print_summary(results)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
