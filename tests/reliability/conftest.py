@@ -94,6 +94,18 @@ def llama_pool(demo_models, name: str, **extra) -> dict:
     }
 
 
+def sim_pool(name: str, profile: str = "llama-3.1-8b-h100", **extra) -> dict:
+    """A pool of simulated replicas (engine/sim/): the real scheduler, KV blocks and output path, no
+    weights and no torch; tokens are made up. For a test that needs a pool's behaviour, not a model's
+    words: a replica starts in a fraction of a model's time, and its steps cost sleep, not CPU."""
+    return {
+        "name": name,
+        "model": f"sim:{profile}",
+        "engine": {"cpus_per_rank": 0.1} | extra.pop("engine", {}),
+        **extra,
+    }
+
+
 def replica_rss_mb(app: str) -> dict[str, float]:
     """Resident memory of each Serve replica process of `app` (Ray titles them
     `ray::ServeReplica:APP:DEPLOYMENT`), in MiB, keyed by deployment."""

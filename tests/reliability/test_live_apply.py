@@ -1,6 +1,9 @@
 """`raylane apply` changes a running cluster under load, and nobody notices.
 
-App: pools `chat` (two replicas) and `extra`, keys on the `premium` and `standard` tiers, one route.
+App: pools `chat` (two replicas) and `extra`, keys on the `premium` and `standard` tiers, one route;
+`chat` and the pool added later are simulated (engine/sim/: what is changed is pools and replicas,
+not a model's words, and six replica starts cost a fraction of a model's), `extra` runs the tiny llama
+(a structured answer, constrained by a grammar the simulator does not run).
 Four streaming clients (two per key) and an `auto` client run throughout, while four configs are
 applied in turn (cluster/apply.py): (a) a tier's rate limit, a new API key and the gateway's grammar
 check bound, (b) a new pool and a route to it, (c) an engine setting of `chat` (a rolling restart of
@@ -25,7 +28,7 @@ import pytest
 import yaml
 
 from tests.live_servers import wait_healthy
-from tests.reliability.conftest import forked_workers, llama_pool, replica_names
+from tests.reliability.conftest import forked_workers, llama_pool, replica_names, sim_pool
 
 APP = "rel-live-apply"
 KEYS = {"premium": "key-a-premium", "standard": "key-b-standard"}
@@ -42,13 +45,6 @@ def tiers(trial_rpm: int) -> list[dict]:
     ]
 
 
-def pool(demo_models, name: str, **extra) -> dict:
-    # The engine steps on a thread of the replica: one process start less for each replica an apply
-    # starts (this test starts six).
-    extra["engine"] = {"engine_core": "thread"} | extra.get("engine", {})
-    return llama_pool(demo_models, name, **extra)
-
-
 def base_config(demo_models, port: int) -> dict:
     two = {"min_replicas": 2, "max_replicas": 2}
     return {
@@ -58,8 +54,8 @@ def base_config(demo_models, port: int) -> dict:
         "tiers": tiers(trial_rpm=1000),
         "api_keys": {"keys": {KEYS["premium"]: "premium", KEYS["standard"]: "standard"}},
         "pools": [
-            pool(demo_models, "chat", replicas=two, engine={"max_num_seqs": 16}),
-            pool(demo_models, "extra"),
+            sim_pool("chat", replicas=two, engine={"max_num_seqs": 16}),
+            llama_pool(demo_models, "extra", engine={"engine_core": "thread"}),
         ],
         "router": {"routes": [{"name": "chat", "pool": "chat"}]},
     }
@@ -173,7 +169,7 @@ def test_apply_changes_a_cluster_under_load_without_a_failed_request(api_server,
             assert forked_workers(APP, "Gateway") == 1
 
             # (b) A new pool and a route to it.
-            config["pools"].append(pool(demo_models, "fresh"))
+            config["pools"].append(sim_pool("fresh"))
             config["router"]["routes"].append({"name": "coding", "pool": "fresh"})
             started = time.monotonic()
             plan = apply_config(ClusterConfig.from_dict(config), APP, timeout_s=300)
@@ -299,7 +295,7 @@ def _status(client: openai.OpenAI, model: str) -> int:
 def _structured(client: openai.OpenAI) -> None:
     schema = {"type": "object", "properties": {"sea": {"type": "string"}}, "required": ["sea"]}
     reply = client.chat.completions.create(
-        model="chat",
+        model="extra",
         messages=[{"role": "user", "content": "Describe the sea."}],
         response_format={"type": "json_schema", "json_schema": {"name": "sea", "schema": schema}},
         max_tokens=4,
