@@ -683,13 +683,14 @@ def test_two_raylane_serves_behind_haproxy_run_side_by_side(demo_models, tmp_pat
     servers = []
     ray_root = tempfile.mkdtemp(prefix="rl-grp-", dir="/tmp")  # short: Ray's socket paths live under it
     try:
+        # One after the other: two Rays starting at once on one machine can race for GCS's port.
         for name, env in (("a", {}), ("b", {"RAY_TMPDIR": ray_root})):
             port = free_port()
             config = tmp_path / f"{name}.yaml"
-            config.write_text(
+            config.write_text(  # a simulated pool: what is tested is the ingress, not a model's words
                 f"http: {{port: {port}, ingress: haproxy}}\n"
                 "embeddings: {enabled: false}\n"
-                "pools: [{name: chat, model: 'demo:raylane-llama-tiny', engine: {num_kv_blocks: 128}}]\n"
+                "pools: [{name: chat, model: 'sim:llama-3.1-8b-h100', engine: {cpus_per_rank: 0.1}}]\n"
             )
             proc, lines, reader = start_raylane_serve(demo_models, "--config", str(config), env=env)
             servers.append((port, proc, reader, config, lines))
