@@ -75,6 +75,7 @@ def run_engine_core(conn: Connection) -> None:
         tracing.configure(start.tracing, start.tracing_instance)
     try:
         engine = LLMEngine(start.config)
+        logging.info("warmed up in %.2fs", engine.warm_up())
     except BaseException as e:  # noqa: BLE001 - the serving process re-raises it
         conn.send_bytes(_dumps(_sendable(CoreFailed(e))))
         return

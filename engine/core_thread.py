@@ -19,6 +19,7 @@ from raylane.engine.engine_loop import EngineLoop, queue_receiver
 class EngineCoreThread:
     def __init__(self, config: EngineConfig, placement_group, on_events: Callable[[list[Event]], None]):
         self.engine = make_engine(config, placement_group)
+        self.engine.warm_up()  # a first step's one-time costs, before any client's request
         self.max_model_len = self.engine.max_model_len
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         loop = EngineLoop(self.engine, queue_receiver(self._commands), on_events)

@@ -197,6 +197,11 @@ class LLMEngine(EngineBase):
             self._dead = e
             raise
 
+    def warm_up(self) -> float:
+        seconds = super().warm_up()
+        self.spec_decode_stats = SpecDecodeStats()  # its drafts counted no client's tokens
+        return seconds
+
     def check_health(self) -> None:
         """Raise `EngineDeadError` if a step failed or a rank of the worker group is gone."""
         if self._dead is not None:

@@ -8,13 +8,14 @@ forkserver that has imported what the calls need (`preload`), so a restart is ch
 machine is fine at a peak too, and `WALL_FACTOR` times that in wall-clock time whatever the load: a
 call that reaches the wall-clock bound before its CPU bound was starved by a busy machine, not too
 costly, and gets `WorkerStarved` (a `WorkerBusy`: the client may retry), not `WorkerTimeout`.
-The worker runs SCHED_IDLE (see `_run_below_serving`): a client's work takes what the cores leave.
+The worker runs SCHED_IDLE (see `run_below_serving`): a client's work takes what the cores leave.
 The queue is bounded in all (`max_pending`) and per API key (`max_pending_per_key`): a call that
 finds either full gets `WorkerBusy` at once, never a silent wait.
 
 Used for grammars, where the gateway checks a request's grammar (deployments/gateway/ingress.py) and
 a pool compiles it (engine/grammar_compiler.py), and for /v1/embeddings in the gateway
-(deployments/gateway/embeddings.py). It imports nothing of raylane.
+(deployments/gateway/embeddings.py). It imports nothing of raylane; its forkserver imports
+raylane.below_serving first, which puts it below the serving processes before its preload.
 """
 
 from __future__ import annotations
@@ -230,7 +231,7 @@ def _context(preload: tuple[str, ...]):
     with _ctx_lock:
         if _ctx is None:
             _ctx = multiprocessing.get_context("forkserver")
-            _ctx.set_forkserver_preload(list(preload))
+            _ctx.set_forkserver_preload(["raylane.below_serving", *preload])
         return _ctx
 
 
@@ -251,7 +252,7 @@ def start_forkserver(preload: tuple[str, ...]) -> None:
     threading.Thread(target=start, daemon=True, name="bounded-worker-forkserver").start()
 
 
-def _run_below_serving() -> None:
+def run_below_serving() -> None:
     """SCHED_IDLE: the worker gets only CPU time that no ordinary task wants, and an ordinary task that
     wakes takes the core from it at once. A nice value is not enough: Ray starts its workers (the
     serving processes) at nice 15, so +10 lands at 19, a weight of 15 against their 36 (under another
@@ -269,7 +270,7 @@ def _serve(conn, initializer, initargs) -> None:
     # collector's reach: a full collection writes to every object it scans, which copies the
     # shared pages they sit on into this process.
     gc.freeze()
-    _run_below_serving()
+    run_below_serving()
     if initializer is not None:
         initializer(*initargs)
     conn.send("ready")

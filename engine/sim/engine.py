@@ -85,6 +85,9 @@ class SimulatedEngine(EngineBase):
                 f"lora_request: adapter rank {rank} exceeds max_lora_rank {self.config.max_lora_rank}"
             )
 
+    def warm_up(self) -> float:
+        return 0.0  # no kernels, no first allocations: nothing to pay once
+
     # -- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -93,6 +93,32 @@ def test_prefix_cache_computes_only_the_new_suffix_and_matches_a_cold_run(llama)
     assert stats.prefix_cache_hits == 64 and stats.prefix_cache_queries == 69 + 71
 
 
+def test_a_warmed_up_engine_starts_empty_and_answers_as_a_cold_one(llama):
+    """The serving cores run one short request before they take any (`warm_up`: a first step's
+    one-time costs fall on the start, bench/README.md "Cold path"). It leaves no block held or
+    cached and no prefix-cache count: a client prompt that starts with the warm-up's own tokens
+    finds nothing cached, and gets the cold engine's answer."""
+
+    def run(engine: LLMEngine, prompt: list[int]):
+        engine.add_request(prompt, greedy(8), request_id="client")
+        while engine.has_unfinished_requests():
+            done = [out for out in engine.step() if out.finished]
+        return done[0]
+
+    prompt = list(range(1, 17)) + random_prompt(9, 50)  # the warm-up's prompt is 1..16
+    config = EngineConfig(model=llama, num_kv_blocks=64, block_size=8)
+    cold = LLMEngine(config)
+    free = cold.block_manager.num_free_blocks
+    warm = LLMEngine(config)
+    assert warm.warm_up() > 0
+    manager = warm.block_manager
+    assert manager.num_free_blocks == free and not manager.cached
+    assert manager.prefix_cache_queries == manager.prefix_cache_hits == 0
+    answer = run(warm, prompt)
+    assert answer.num_cached_tokens == 0
+    assert answer.outputs[0].token_ids == run(cold, prompt).outputs[0].token_ids
+
+
 def test_preemption_under_kv_pressure_keeps_outputs_identical(llama):
     prompts = [random_prompt(20 + 5 * i, 10 + i) for i in range(4)]
     params = greedy(40)
