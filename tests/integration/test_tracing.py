@@ -1,4 +1,4 @@
-"""Traces of requests, received over the network by a real OTLP/HTTP receiver (tests/otlp_receiver.py).
+"""Traces of requests, received over the network by a real OTLP/HTTP receiver (bench/otlp_receiver.py).
 
 App: one pool of two replicas (each with its engine core process), API keys on, tracing to the
 receiver. A streamed chat request's trace must reach from the gateway's root span, through the
@@ -14,8 +14,8 @@ import sys
 import pytest
 import requests
 
+from raylane.bench.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.live_servers import wait_healthy
-from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 APP = "trace-test"
 KEY = "sk-tracing-test-key-7f3a"
