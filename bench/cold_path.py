@@ -38,13 +38,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--settle-s", type=float, default=0.0, help="wait this long after ready")
+    parser.add_argument(
+        "--tracing",
+        choices=("on", "off"),
+        default="on",
+        help="off: no spans, the TTFTs without tracing's cost",
+    )
     parser.add_argument("--port", type=int, default=18321)
     parser.add_argument("--out", type=Path)
 
 
 def start_server(args: argparse.Namespace, endpoint: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env |= {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "300"}
+    if args.tracing == "on":
+        env |= {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "300"}
     command = [str(Path(sys.executable).with_name("raylane")), "serve", "--port", str(args.port)]
     command += ["--config", str(args.config)] if args.config else []
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / "raylane-cold-path.log", "w")  # noqa: SIM115
