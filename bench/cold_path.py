@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def start_server(args: argparse.Namespace, endpoint: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("OTEL_EXPORTER_")}
     if args.tracing == "on":
         env |= {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "300"}
     command = [str(Path(sys.executable).with_name("raylane")), "serve", "--port", str(args.port)]
