@@ -1,6 +1,6 @@
-"""A real OTLP/HTTP trace receiver for tests: POST /v1/traces with an ExportTraceServiceRequest
-(protobuf, as OpenTelemetry's OTLP/HTTP exporter sends it), parsed with `opentelemetry-proto` into
-`ReceivedSpan`s that a test can wait for and walk."""
+"""A real OTLP/HTTP trace receiver, for the tracing tests and `raylane bench cold-path`: POST
+/v1/traces with an ExportTraceServiceRequest (protobuf, as OpenTelemetry's OTLP/HTTP exporter sends
+it), parsed with `opentelemetry-proto` (the `tracing` extra) into `ReceivedSpan`s to wait for and walk."""
 
 from __future__ import annotations
 
