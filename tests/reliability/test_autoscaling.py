@@ -1,10 +1,12 @@
 """A load step scales a pool from one replica to two and back (deployments/pool/autoscaling.py).
 
 App: pool `elastic`, 1 to 2 replicas, scaling on requests waiting in the engines (one per replica),
-its engine admitting two sequences at a time. Eight clients streaming back to back keep six requests
-waiting on one replica: the policy asks for more replicas than the maximum, Serve starts the second,
-and requests reach it. When the load stops, the waiting queue empties and the pool goes back to one
-replica. A light trickle of requests runs throughout: none may fail while replicas come and go.
+its engine admitting two sequences at a time; its replicas are simulated (engine/sim/: the real
+scheduler and its waiting queue, no weights, so a replica starts without torch). Eight clients
+streaming back to back keep six requests waiting on one replica: the policy asks for more replicas
+than the maximum, Serve starts the second, and requests reach it. When the load stops, the waiting
+queue empties and the pool goes back to one replica. A light trickle of requests runs throughout:
+none may fail while replicas come and go.
 
 Bounds: Serve's replicas push their autoscaling metrics every 10 s
 (RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S) and a replica takes seconds to start on two
@@ -21,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.live_servers import wait_until
-from tests.reliability.conftest import deployed, llama_pool, ongoing, replica_names, running_replicas
+from tests.reliability.conftest import deployed, ongoing, replica_names, running_replicas, sim_pool
 
 APP, POOL = "rel-autoscale", "ModelPool:elastic"
 CLIENTS = 8
@@ -30,7 +32,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
-def app(api_server, demo_models):
+def app(api_server):
     replicas = {
         "min_replicas": 1,
         "max_replicas": 2,
@@ -42,7 +44,7 @@ def app(api_server, demo_models):
         "downscale_delay_s": 5,
     }
     config = {
-        "pools": [llama_pool(demo_models, "elastic", replicas=replicas, engine={"max_num_seqs": 2})],
+        "pools": [sim_pool("elastic", replicas=replicas, engine={"max_num_seqs": 2})],
         "tiers": [{"name": "standard", "priority": 1}],  # no rate limit: the load reaches the pool
     }
     with deployed(api_server, APP, config) as url:
