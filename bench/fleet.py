@@ -194,3 +194,30 @@ def role_cpu_since(before: dict[int, tuple[str, float]]) -> dict[str, float]:
         if pid in before:
             out[role] = out.get(role, 0.0) + cpu - before[pid][1]
     return out
+
+
+# Proportional set size of one simulated replica (a Serve replica with its engine core) and of one
+# sim-server, measured on this box (bench/README.md, "Fleet scale"), with room for their growth
+# under load; and what the rest (Ray, Serve, the gateway, the client) needs beside them.
+REPLICA_MIB = {"raylane": 240, "sim-server": 170}
+HEADROOM_MIB = 3072
+
+
+def phases(wanted: list[str], replicas: int, mode: str) -> list[list[str]]:
+    """The targets in the groups that are started and measured together: all at once (alternated
+    point by point, the fairest comparison on a noisy machine), or raylane's fleet and then the
+    sim-servers' (one machine holds 64 of each only one fleet at a time: `REPLICA_MIB`)."""
+    apart = [
+        group for group in (["raylane"], [t for t in wanted if t != "raylane"]) if set(group) & set(wanted)
+    ]
+    if len(apart) < 2 or mode == "together":
+        return [wanted]
+    needed = replicas * (REPLICA_MIB["raylane"] + REPLICA_MIB["sim-server"]) + HEADROOM_MIB
+    return apart if mode == "apart" or needed > available_mib() else [wanted]
+
+
+def available_mib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) // 1024
+    return 0

@@ -45,6 +45,7 @@ from raylane.bench.fleet import (
     SimServers,
     VllmRouter,
     cpu_by_role,
+    phases,
     raylane_config,
     role_cpu_since,
 )
@@ -52,11 +53,6 @@ from raylane.bench.stream_load import Stream, Target, run_load
 
 TARGETS = ("raylane", *(f"vllm-router:{p}" for p in ROUTER_POLICIES), "direct")
 MODEL = "sim"  # what raylane's pool is called; the sim-servers answer to their profile's model id
-# Proportional set size of one simulated replica (a Serve replica with its engine core) and of one
-# sim-server, measured on this box (bench/README.md, "Fleet scale"), with room for their growth
-# under load; and what the rest (Ray, Serve, the gateway, the client) needs beside them.
-REPLICA_MIB = {"raylane": 240, "sim-server": 170}
-HEADROOM_MIB = 3072
 
 
 def int_list(text: str) -> list[int]:
@@ -185,26 +181,6 @@ def model_id(url: str) -> str:
     import httpx2
 
     return httpx2.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-
-
-def phases(wanted: list[str], replicas: int, mode: str) -> list[list[str]]:
-    """The targets in the groups that are started and measured together: all at once (alternated
-    point by point, the fairest comparison on a noisy machine), or raylane's fleet and then the
-    sim-servers' (one machine holds 64 of each only one fleet at a time: `REPLICA_MIB`)."""
-    apart = [
-        group for group in (["raylane"], [t for t in wanted if t != "raylane"]) if set(group) & set(wanted)
-    ]
-    if len(apart) < 2 or mode == "together":
-        return [wanted]
-    needed = replicas * (REPLICA_MIB["raylane"] + REPLICA_MIB["sim-server"]) + HEADROOM_MIB
-    return apart if mode == "apart" or needed > available_mib() else [wanted]
-
-
-def available_mib() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) // 1024
-    return 0
 
 
 def run(args: argparse.Namespace) -> int:
