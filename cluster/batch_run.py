@@ -69,20 +69,20 @@ class LineSender:
         yield {"record": records}
 
     async def _send(self, line, limit: asyncio.Semaphore) -> str:
-        from raylane.deployments.batch.lines import output_line
+        from raylane.deployments.batch.lines import output_record_text
 
         wait_s = RETRY_S[0]
         async with limit:
             for attempt in range(self.retries + 1):
                 # An operator's job: `key_id` names whom it runs for, not an API key to check.
-                status, body, _busy = await self.gateway.run_batch_line.remote(
+                status, body, _busy, _usage = await self.gateway.run_batch_line.remote(
                     self.key_id, line.url, line.body, check_key=False
                 )
                 if status not in (429, 503) or attempt == self.retries:
                     break
                 await asyncio.sleep(wait_s)
                 wait_s = min(RETRY_S[1], wait_s * 2)
-        return json.dumps(output_line(line.custom_id, status, json.loads(body)), ensure_ascii=False)
+        return output_record_text(line.custom_id, status, body)
 
 
 def _custom_id(text: str) -> str:

@@ -32,12 +32,23 @@ CREATE TABLE IF NOT EXISTS raylane_batch_outputs (
 )
 """
 # Added since the first schema (a database an earlier version made lacks them): each line's bytes,
-# and an index that gives every line's number and bytes without reading the records themselves.
+# and an index that gives every line's number and bytes without reading the records themselves; each
+# line's tokens (-1 in a row an earlier version wrote: counted from its record).
 MIGRATIONS = (
     (
         "raylane_batch_lines",
         "bytes",
         "ALTER TABLE raylane_batch_lines ADD COLUMN bytes {bigint} NOT NULL DEFAULT 0",
+    ),
+    (
+        "raylane_batch_lines",
+        "input_tokens",
+        "ALTER TABLE raylane_batch_lines ADD COLUMN input_tokens {bigint} NOT NULL DEFAULT -1",
+    ),
+    (
+        "raylane_batch_lines",
+        "output_tokens",
+        "ALTER TABLE raylane_batch_lines ADD COLUMN output_tokens {bigint} NOT NULL DEFAULT -1",
     ),
 )
 INDEXES = (

@@ -13,7 +13,6 @@ The key's quota sees the bytes move from rows to files as they go.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections import deque
@@ -109,12 +108,10 @@ class OutputWriter:
         else:
             return None
         texts: dict[str, list[str]] = {"output": [], "errors": []}
-        for _, status_code, text in rows:
+        for _, status_code, text, usage in rows:
             texts["output" if status_code < 400 else "errors"].append(text)
             state["counts"]["completed" if status_code < 400 else "failed"] += 1
-            response = json.loads(text)["response"]
-            if response is not None:
-                add_usage(state["usage"], response["body"])
+            add_usage(state["usage"], usage)
         while pending and pending[0][0] <= last:
             _, custom_id = pending.popleft()
             texts["errors"].append(record_text(error_line(custom_id, "batch_expired", EXPIRED)))

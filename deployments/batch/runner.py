@@ -27,10 +27,9 @@ from raylane.deployments.batch.lines import (
     InputFile,
     LineCaps,
     LineRef,
-    add_usage,
     error_line,
     load_line,
-    output_line,
+    output_record_text,
     read_input,
     record_text,
 )
@@ -42,7 +41,9 @@ from raylane.deployments.metrics.batch import BatchMetrics
 from raylane.deployments.protocol.batch_answers import (
     BUDGET_EXCEEDED,
     LINE_TOO_LARGE,
+    NO_USAGE,
     STOPS_BATCH,
+    LineUsage,
     line_too_large,
 )
 
@@ -144,7 +145,9 @@ class BatchRunner:
             self._fail(batch["id"], None, batch)
             return False
         for number, custom_id, code, message in read.rejected:  # to the error file, unsent
-            self._record(batch, number, 400, error_line(custom_id, code, message), batch["endpoint"])
+            self._record(
+                batch, number, 400, record_text(error_line(custom_id, code, message)), batch["endpoint"]
+            )
         batch["request_counts"]["total"] = len(read.lines) + len(read.rejected)
         self.store.set_status(batch, "in_progress")
         return True
@@ -183,14 +186,13 @@ class BatchRunner:
         try:
             line, (_, code, message) = await asyncio.to_thread(load_line, fd, ref, self.caps)
             if line is None:  # the file changed under the batch: the line cannot be sent now
-                self._record(
-                    batch, ref.number, 400, error_line(ref.custom_id, code, message), batch["endpoint"]
-                )
+                text = record_text(error_line(ref.custom_id, code, message))
+                self._record(batch, ref.number, 400, text, batch["endpoint"])
                 return
             attempt = 0
             while True:
                 started = time.monotonic()
-                status, body, busy = await self._call_gateway(batch["id"], key_id, line)
+                status, body, busy, usage = await self._call_gateway(batch["id"], key_id, line)
                 error_code = _error_code(status, body)
                 if error_code in STOPS_BATCH:
                     self.stopped.setdefault(batch["id"], _stop_for_key(error_code, json.loads(body)))
@@ -214,25 +216,26 @@ class BatchRunner:
             if batch["id"] in self.stopped:
                 return  # the batch stopped meanwhile: what it keeps is decided already
             if body is None:
-                record = error_line(
-                    line.custom_id, "service_unavailable", "The gateway could not be reached."
+                text = record_text(
+                    error_line(line.custom_id, "service_unavailable", "The gateway could not be reached.")
                 )
             elif error_code == LINE_TOO_LARGE or len(body) > self.config.max_line_result_bytes:
                 error = line_too_large(len(body), self.config) if not error_code else None
                 message = error.message if error else json.loads(body)["error"]["message"]
-                status, record = 413, error_line(line.custom_id, LINE_TOO_LARGE, message)
+                status, text = 413, record_text(error_line(line.custom_id, LINE_TOO_LARGE, message))
             else:
-                record = output_line(line.custom_id, status, json.loads(body))
-            self._record(batch, line.number, status, record, line.url)
+                text = output_record_text(line.custom_id, status, body)
+            self._record(batch, line.number, status, text, line.url, usage if status < 400 else NO_USAGE)
             idle = not busy and status not in (429, 503)
         finally:
             if held:
                 await self.window.release(idle, time.monotonic() - started)
 
-    def _record(self, batch: dict, number: int, status: int, record: dict, endpoint: str) -> None:
+    def _record(
+        self, batch: dict, number: int, status: int, text: str, endpoint: str, usage: LineUsage = NO_USAGE
+    ) -> None:
         """A line's result, written once, within the key's quota (past which the batch stops,
         failed)."""
-        text = record_text(record)
         size = len(text.encode())
         owner, _ = self.store.owner_of(batch["id"])
         try:
@@ -241,8 +244,8 @@ class BatchRunner:
             error = {"code": "storage_quota_exceeded", "message": str(e), "param": e.field, "line": number}
             self.stopped.setdefault(batch["id"], StopBatch("failed", error))
             return
-        if self.store.finish_line(batch["id"], number, status, text):
-            self._count(endpoint, status, record)
+        if self.store.finish_line(batch["id"], number, status, text, usage):
+            self._count(endpoint, status, usage)
         else:
             self.quota.release(owner, 0, size)
 
@@ -258,8 +261,10 @@ class BatchRunner:
         self.store.forget_lines(batch_id)
         self.store.set_status(batch, "failed")
 
-    async def _call_gateway(self, batch_id: str, key_id: str, line) -> tuple[int, str | None, bool]:
-        """One try of a line: (status, JSON body or None when no gateway answered, busy). A call
+    async def _call_gateway(
+        self, batch_id: str, key_id: str, line
+    ) -> tuple[int, str | None, bool, LineUsage]:
+        """One try of a line: (status, JSON body or None when no gateway answered, busy, usage). A call
         unanswered after `line_timeout_s` is cancelled (Serve cancels the request in the gateway)."""
         trace = self._traces.get(batch_id)
         extra = {"trace": trace} if trace is not None else {}
@@ -277,7 +282,7 @@ class BatchRunner:
             logger.warning("batch %s line %d: the gateway failed: %s", batch_id, line.number, e)
         finally:
             del self._calls[id(response)]
-        return 503, None, True
+        return 503, None, True, NO_USAGE
 
     def state(self) -> dict:
         """The window and the lines' calls (`raylane status`): lines in flight, the window's size and
@@ -294,13 +299,10 @@ class BatchRunner:
             "oldest_call_s": round(now_s - min(self._calls.values(), default=now_s), 1),
         }
 
-    def _count(self, endpoint: str, status: int, record: dict) -> None:
+    def _count(self, endpoint: str, status: int, usage: LineUsage) -> None:
         self.metrics.lines.labels(endpoint=endpoint, result="completed" if status < 400 else "failed").inc()
-        usage = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
-        if record["response"] is not None:
-            add_usage(usage, record["response"]["body"])
-        for kind in ("input", "output"):
-            self.metrics.tokens.labels(kind=kind).inc(usage[f"{kind}_tokens"])
+        self.metrics.tokens.labels(kind="input").inc(usage.input_tokens)
+        self.metrics.tokens.labels(kind="output").inc(usage.output_tokens)
 
 
 def _error_code(status: int, body: str | None) -> str | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import uuid
@@ -85,6 +86,18 @@ class BatchService:
         """Drive the batches; ends only with the actor. Every gateway replica keeps one call pending,
         so when the actor dies and Ray restarts it, Ray retries those calls and driving resumes."""
         await asyncio.shield(self._drive())
+
+    async def answer(self, method: str, *args: Any) -> Any:
+        """`method(*args)` for a gateway, a client's error (a 4xx) returned, not raised: Ray formats
+        the traceback of every exception an actor method raises (Python 3.11 parses each frame's
+        source for its carets), and refused uploads and batches come as fast as a key sends them."""
+        try:
+            result = getattr(self, method)(*args)
+            return await result if inspect.isawaitable(result) else result
+        except OpenAIError as e:
+            if e.is_client_error:
+                return e
+            raise
 
     @property
     def runner(self) -> BatchRunner:

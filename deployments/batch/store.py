@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from raylane.deployments.batch.database import Database, is_postgresql
+from raylane.deployments.protocol.batch_answers import NO_USAGE, LineUsage, usage_of
 
 __all__ = ["ACTIVE", "BatchStore", "is_postgresql", "now"]
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
@@ -140,14 +141,18 @@ class BatchStore:
 
     # -- a batch's lines ----------------------------------------------------------------------------
 
-    def finish_line(self, batch_id: str, line: int, status_code: int, text: str) -> bool:
-        """Record line `line`'s result (its output or error line, as JSON); False if it had one already
-        (it is never written twice)."""
+    def finish_line(
+        self, batch_id: str, line: int, status_code: int, text: str, usage: LineUsage = NO_USAGE
+    ) -> bool:
+        """Record line `line`'s result (its output or error line, as JSON) and tokens; False if it had
+        one already (it is never written twice)."""
         sql = (
-            "INSERT INTO raylane_batch_lines (batch_id, line, status_code, record, bytes)"
-            " VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+            "INSERT INTO raylane_batch_lines"
+            " (batch_id, line, status_code, record, bytes, input_tokens, output_tokens)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
         )
-        return self.db.write(sql, (batch_id, line, status_code, text, len(text.encode()))) > 0
+        args = (batch_id, line, status_code, text, len(text.encode()), *usage)
+        return self.db.write(sql, args) > 0
 
     def done_lines(self, batch_id: str) -> set[int]:
         return {
@@ -178,13 +183,16 @@ class BatchStore:
         )
         return self.db.rows(sql, (batch_id, after, limit))
 
-    def results(self, batch_id: str, first: int, last: int) -> list[tuple[int, int, str]]:
-        """(line, status code, output line JSON) of the finished lines from `first` to `last`."""
+    def results(self, batch_id: str, first: int, last: int) -> list[tuple[int, int, str, LineUsage]]:
+        """(line, status code, output line JSON, usage) of the finished lines from `first` to `last`."""
         sql = (
-            "SELECT line, status_code, record FROM raylane_batch_lines"
+            "SELECT line, status_code, record, input_tokens, output_tokens FROM raylane_batch_lines"
             " WHERE batch_id = ? AND line BETWEEN ? AND ? ORDER BY line"
         )
-        return self.db.rows(sql, (batch_id, first, last))
+        return [
+            (line, status, text, LineUsage(i, o) if i >= 0 else _usage_in(text))
+            for line, status, text, i, o in self.db.rows(sql, (batch_id, first, last))
+        ]
 
     def forget_lines(self, batch_id: str, up_to: int | None = None) -> None:
         """Drop a batch's line rows (those up to line `up_to`): its output files hold them now."""
@@ -229,3 +237,9 @@ def _file_record(row: tuple) -> dict[str, Any]:
 
 def now() -> int:
     return int(time.time())
+
+
+def _usage_in(text: str) -> LineUsage:
+    """The usage of a line an earlier version stored without its tokens."""
+    response = json.loads(text)["response"]
+    return usage_of(response["body"]) if response is not None else NO_USAGE

@@ -116,12 +116,15 @@ class BatchApi:
 
     async def call(self, method: str, *args: Any) -> Any:
         try:
-            return await getattr(self.service, method).remote(*args)
+            result = await self.service.answer.remote(method, *args)
         except Exception as e:
             if (error := client_error(e)) is not None:
                 raise error from None
             logger.warning("the batch actor failed a %s call: %s", method, e)
             raise unavailable(f"The batch service could not answer: {type(e).__name__}.") from None
+        if isinstance(result, OpenAIError):  # the client's error, returned as a value (BatchService.answer)
+            raise result
+        return result
 
     async def upload(self, request: Request, principal: Principal) -> dict:
         try:

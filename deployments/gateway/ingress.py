@@ -60,9 +60,12 @@ from raylane.deployments.gateway.responses_api import StoredResponses
 from raylane.deployments.gateway.routing import build_router, classifier_for, update_router
 from raylane.deployments.metrics.gateway import render_cluster_metrics, set_config_generation
 from raylane.deployments.protocol.batch_answers import (
+    NO_USAGE,
+    LineUsage,
     batch_budget_exceeded,
     batch_key_refused,
     line_too_large,
+    usage_of,
 )
 from raylane.deployments.protocol.batch_schemas import (
     Batch,
@@ -328,16 +331,21 @@ class Gateway:
         body = await self.read_charged(request, principal)  # its tokens estimated, before parsing
         return await self.serve_embeddings(principal, body, request.state.rate_charge)
 
-    async def serve_embeddings(
+    async def serve_embeddings(self, principal: Principal, body: bytes, charge: RateCharge) -> Response:
+        response, _ = await self.embed(principal, body, charge)
+        return Response(response, media_type="application/json")
+
+    async def embed(
         self, principal: Principal, body: bytes, charge: RateCharge, max_bytes: int | None = None
-    ) -> Response:
+    ) -> tuple[str, int]:
+        """An embeddings request's JSON answer and the tokens MiniLM read (its usage)."""
         req = await parse_bytes(body, EmbeddingRequest)
         response, tokens = await create_embeddings(self.config.embeddings, req, principal.key_id, max_bytes)
         # MiniLM's tokenizer reads every byte though the model reads only 256 tokens of an input:
         # settled with its count, never below the body's estimate.
         estimate = len(body) // PROMPT_BYTES_PER_TOKEN
         charge.settle(max(tokens, estimate))
-        return Response(response, media_type="application/json")
+        return response, tokens
 
     @app.post("/tokenize", **route_docs(TokenizeResponse, (TokenizeChatRequest, TokenizeCompletionRequest)))
     async def tokenize(self, request: Request) -> Response:
@@ -523,9 +531,10 @@ class Gateway:
 
     async def run_batch_line(
         self, key_id: str, endpoint: str, body: bytes, check_key: bool = True, trace: dict | None = None
-    ) -> tuple[int, str, bool]:
+    ) -> tuple[int, str, bool, LineUsage]:
         """One line of a batch (called by the batch actor), served as a request of the `batch` tier
-        from the key that made the batch: (status, JSON body, whether other tiers were using its pool).
+        from the key that made the batch: (status, JSON body, whether other tiers were using its pool,
+        its usage).
         `check_key`: the key must still be known and its tier allow batches (else a 403 that stops the
         batch: `raylane batch run`, an operator's job, names no key); its tier's
         `batch_tokens_per_minute` is charged (past it, a 429 the batch waits out). `trace`: the
@@ -533,8 +542,9 @@ class Gateway:
         span = tracing.start(f"batch line {endpoint}", parent=trace, kind="server") if trace else None
         token, status = tracing.attach(span), 500
         try:
-            status, result, busy = await self._run_batch_line(key_id, endpoint, body, check_key)
-            return status, result, busy
+            answer = await self._run_batch_line(key_id, endpoint, body, check_key)
+            status = answer[0]
+            return answer
         finally:
             tracing.detach(token)
             tracing.end(
@@ -543,42 +553,44 @@ class Gateway:
 
     async def _run_batch_line(
         self, key_id: str, endpoint: str, body: bytes, check_key: bool
-    ) -> tuple[int, str, bool]:
+    ) -> tuple[int, str, bool, LineUsage]:
         key_tier = self.router.tier_of_key(key_id) if check_key else None
         if check_key and (key_tier is None or not key_tier.batches):
-            return 403, json.dumps(batch_key_refused(key_tier).to_dict()), False
+            return 403, json.dumps(batch_key_refused(key_tier).to_dict()), False, NO_USAGE
         principal = Principal(key_id, batch_tier(list(self.config.tiers), self.config.batch, key_tier))
         charge = None
         busy = True
         try:
             self.check_open()
             charge = self.router.check_rate(principal, len(body) // PROMPT_BYTES_PER_TOKEN)
-            serve = getattr(self, BATCH_SERVERS[endpoint])
             if endpoint == "/v1/embeddings":  # stops computing once past the line's cap
-                response = await serve(principal, body, charge, self.config.batch.max_line_result_bytes)
+                max_bytes = self.config.batch.max_line_result_bytes
+                result, tokens = await self.embed(principal, body, charge, max_bytes)
+                status, pool, usage = 200, None, LineUsage(tokens)
             else:
-                response = await serve(principal, body, charge)
-            pool = response.headers.get("x-raylane-pool")
+                response = await getattr(self, BATCH_SERVERS[endpoint])(principal, body, charge)
+                status, pool = response.status_code, response.headers.get("x-raylane-pool")
+                result, usage = bytes(response.body).decode(), usage_of(response.body)
             # Busy: interactive requests are on the pool (or anything waits): the batch steps back. A
             # line computed here (embeddings) shares this replica's CPU with every pool's requests.
             pools = [pool] if pool is not None else [p.name for p in self.config.pools]
             busy = any(self.router.others_on(p, BATCH_TIER) for p in pools)
-            result = bytes(response.body)
-            if len(result) > self.config.batch.max_line_result_bytes:  # never shipped to the actor
-                return 413, json.dumps(line_too_large(len(result), self.config.batch).to_dict()), busy
-            return response.status_code, result.decode(), busy
+            if (size := len(result.encode())) > self.config.batch.max_line_result_bytes:  # never shipped
+                return 413, json.dumps(line_too_large(size, self.config.batch).to_dict()), busy, NO_USAGE
+            return status, result, busy, usage
         except ResultTooLarge as e:
             charge.settle(max(e.tokens, len(body) // PROMPT_BYTES_PER_TOKEN))  # computed, then dropped
-            return 413, json.dumps(line_too_large(e.size, self.config.batch, at_least=True).to_dict()), busy
+            error = line_too_large(e.size, self.config.batch, at_least=True)
+            return 413, json.dumps(error.to_dict()), busy, NO_USAGE
         except RateLimitError as e:  # the batch tier has only the key's batch tokens/min
-            return 429, json.dumps(batch_budget_exceeded(e).to_dict()), busy
+            return 429, json.dumps(batch_budget_exceeded(e).to_dict()), busy, NO_USAGE
         except OpenAIError as e:
-            return e.status, json.dumps(e.to_dict()), busy
+            return e.status, json.dumps(e.to_dict()), busy, NO_USAGE
         except RouterError as e:
-            return e.status, json.dumps(e.to_openai()), busy
+            return e.status, json.dumps(e.to_openai()), busy, NO_USAGE
         except Exception:
             logger.exception("a batch line failed in the gateway")
-            return 500, json.dumps(internal_error().to_dict()), busy
+            return 500, json.dumps(internal_error().to_dict()), busy, NO_USAGE
         finally:
             if charge is not None:
                 charge.settle(0)

@@ -1,9 +1,13 @@
 """What the gateway's `run_batch_line` answers the batch actor about a line beyond the line's own
-result, as OpenAI errors with codes both sides know: the key may no longer run batches (the batch
-stops), the key's batch tokens/min are spent (the line waits, never counted as a failed try), the
-result is larger than a line may make (that line's error)."""
+result: the line's token usage, counted where the result was made (so the actor never parses a
+result of megabytes to count it), and OpenAI errors with codes both sides know: the key may no
+longer run batches (the batch stops), the key's batch tokens/min are spent (the line waits, never
+counted as a failed try), the result is larger than a line may make (that line's error)."""
 
 from __future__ import annotations
+
+import json
+from typing import Any, NamedTuple
 
 from raylane.config import TierConfig
 from raylane.config.batch import BatchConfig
@@ -15,6 +19,32 @@ BUDGET_EXCEEDED = "batch_tokens_per_minute_exceeded"
 LINE_TOO_LARGE = "line_result_too_large"
 UPLOAD_RATE_EXCEEDED = "upload_rate_exceeded"  # an upload past its key's bytes a minute
 STOPS_BATCH = (KEY_REVOKED, BATCHES_NOT_ALLOWED)
+
+
+class LineUsage(NamedTuple):
+    """A line's tokens as a batch's `usage` counts them."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+NO_USAGE = LineUsage()
+
+
+def usage_of(body: Any) -> LineUsage:
+    """The usage of a response body (chat, completions, embeddings or Responses; a dict or its JSON
+    text); none for an error or a body without one."""
+    if isinstance(body, str | bytes):
+        try:
+            body = json.loads(body)
+        except ValueError:
+            return LineUsage()
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(usage, dict):
+        return LineUsage()
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens", 0)) or 0
+    completion = usage.get("completion_tokens", usage.get("output_tokens", 0)) or 0
+    return LineUsage(int(prompt), int(completion))
 
 
 def batch_key_refused(tier: TierConfig | None) -> OpenAIError:

@@ -440,7 +440,7 @@ def test_a_line_of_a_key_no_longer_allowed_batches_is_refused_with_the_code_that
     body = json.dumps(chat_line("x", "Hi", max_tokens=1)["body"]).encode()
 
     def line_for(key_id: str) -> tuple[int, dict]:
-        status, text, _ = gateway.run_batch_line.remote(key_id, "/v1/chat/completions", body).result(
+        status, text, _, _ = gateway.run_batch_line.remote(key_id, "/v1/chat/completions", body).result(
             timeout_s=60
         )
         return status, json.loads(text)

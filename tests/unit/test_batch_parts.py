@@ -3,12 +3,21 @@ sent in, and the window of lines in flight."""
 
 import asyncio
 import json
+import sqlite3
 
 import pytest
 
-from raylane.deployments.batch.lines import LineCaps, error_line, read_input, read_line, record_text
+from raylane.deployments.batch.lines import (
+    LineCaps,
+    error_line,
+    output_record_text,
+    read_input,
+    read_line,
+    record_text,
+)
 from raylane.deployments.batch.store import BatchStore
 from raylane.deployments.batch.window import Window
+from raylane.deployments.protocol.batch_answers import LineUsage
 from tests.postgresql_server import postgresql_url  # noqa: F401  (a fixture)
 
 CHAT = "/v1/chat/completions"
@@ -140,6 +149,39 @@ def test_an_output_line_holding_unicode_line_separators_stays_one_line():
     assert len(text.splitlines()) == 1 and json.loads(text)["error"]["message"].count("\u2028") == 1
 
 
+def test_an_output_line_holds_the_gateways_body_as_json_on_one_line():
+    body = {
+        "object": "list",
+        "data": [{"text": "a\u2028b\nc", "x": [0.1, -2e-05]}],
+        "usage": {"prompt_tokens": 3},
+    }
+    for text in (json.dumps(body, ensure_ascii=False), json.dumps(body, indent=2)):  # however it was written
+        line = output_record_text('id "1"', 200, text)
+        assert len(line.splitlines()) == 1
+        record = json.loads(line)
+        assert record["custom_id"] == 'id "1"' and record["error"] is None
+        assert record["response"]["status_code"] == 200 and record["response"]["body"] == body
+        assert record["id"].startswith("batch_req_") and record["response"]["request_id"].startswith("req_")
+
+
+def test_a_line_stored_by_an_earlier_version_is_counted_from_its_record(tmp_path):
+    """Rows written before the store kept each line's tokens (a batch running across an upgrade)."""
+    location = str(tmp_path / "b.sqlite3")
+    BatchStore(location, tmp_path / "files", "app")  # makes the schema
+    old = (
+        '{"response": {"status_code": 200, "body": {"usage": {"prompt_tokens": 5, "completion_tokens": 2}}}}'
+    )
+    connection = sqlite3.connect(location)
+    connection.execute(
+        "INSERT INTO raylane_batch_lines (batch_id, line, status_code, record, bytes) VALUES (?, ?, ?, ?, ?)",
+        ("b", 1, 200, old, len(old)),
+    )
+    connection.commit()
+    store = BatchStore(location, tmp_path / "files", "app")
+    store.finish_line("b", 2, 200, "{}", LineUsage(7, 1))
+    assert [usage for *_, usage in store.results("b", 1, 2)] == [LineUsage(5, 2), LineUsage(7, 1)]
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def store(request, tmp_path):
     """The store on each of its databases (PostgreSQL: a real server, its database emptied for each
@@ -179,7 +221,7 @@ def test_a_line_is_recorded_once(store):
     assert store.finish_line("b", 4, 404, '{"custom_id": "y"}')
     assert store.done_lines("b") == {3, 4}
     assert store.line_counts("b") == (1, 1)
-    assert [(n, code) for n, code, _ in store.results("b", 1, 10)] == [(3, 200), (4, 404)]
+    assert [(n, code) for n, code, _, _ in store.results("b", 1, 10)] == [(3, 200), (4, 404)]
     assert store.line_bytes("b") == len('{"custom_id": "x"}') + len('{"custom_id": "y"}')
 
 

@@ -16,7 +16,7 @@ from raylane.deployments.batch import output as output_module
 from raylane.deployments.batch import runner as runner_module
 from raylane.deployments.batch import service as service_module
 from raylane.deployments.batch.service import MAX_PAGE_BYTES, BatchService
-from raylane.deployments.protocol.batch_answers import BUDGET_EXCEEDED, KEY_REVOKED
+from raylane.deployments.protocol.batch_answers import BUDGET_EXCEEDED, KEY_REVOKED, usage_of
 from raylane.deployments.protocol.errors import OpenAIError
 
 CHAT = "/v1/chat/completions"
@@ -65,7 +65,7 @@ class FakeGateway:
         status, answer = self.answer(custom_id, self.tries[custom_id])
 
         async def call():
-            return status, json.dumps(answer), False
+            return status, json.dumps(answer), False, usage_of(answer)  # as the gateway counts it
 
         return asyncio.ensure_future(call())
 
