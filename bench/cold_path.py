@@ -7,9 +7,11 @@ once. Per phase, the client's TTFT (the first request's, p50, max) and, over the
 span's start after the request's first span and its duration (p50, max): the gateway's steps, the
 pool's template rendering, the engine's queue wait, prefill and decode, the stream's relay. And the CPU
 each kind of process took during the first phase: what the first requests shared the cores with.
-`--settle-s` waits that long after ready before the first request.
+`--settle-s` waits that long after ready before the first request. `--tracing both --repeat N`
+starts N clusters with tracing on and N with it off, alternated: tracing's cost measured side by side.
 
     raylane bench cold-path --out bench/results/cold_path
+    raylane bench cold-path --tracing both --repeat 2 --requests 100 --out bench/results/cold_path
 """
 
 from __future__ import annotations
@@ -40,17 +42,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--settle-s", type=float, default=0.0, help="wait this long after ready")
     parser.add_argument(
         "--tracing",
-        choices=("on", "off"),
+        choices=("on", "off", "both"),
         default="on",
-        help="off: no spans, the TTFTs without tracing's cost",
+        help="off: no spans, the TTFTs without tracing's cost; both: on and off alternated",
     )
+    parser.add_argument("--repeat", type=int, default=1, help="clusters started per tracing setting")
     parser.add_argument("--port", type=int, default=18321)
     parser.add_argument("--out", type=Path)
 
 
-def start_server(args: argparse.Namespace, endpoint: str) -> subprocess.Popen:
+def start_server(args: argparse.Namespace, endpoint: str, tracing: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("OTEL_EXPORTER_")}
-    if args.tracing == "on":
+    if tracing == "on":
         env |= {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "300"}
     command = [str(Path(sys.executable).with_name("raylane")), "serve", "--port", str(args.port)]
     command += ["--config", str(args.config)] if args.config else []
@@ -136,15 +139,11 @@ def span_table(receiver, traces: list[str]) -> dict[str, dict[str, float]]:
     }
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
-        from raylane.bench.otlp_receiver import OtlpReceiver
-    except ImportError:
-        raise SystemExit("cold-path needs the tracing extra: pip install 'raylane[tracing]'") from None
+def run_once(args: argparse.Namespace, receiver, tracing: str) -> dict[str, Any]:
+    """One fresh cluster: when it was ready, the first phase's CPU and each phase's TTFTs and spans."""
     import httpx2
 
-    receiver = OtlpReceiver()
-    server = start_server(args, receiver.endpoint)
+    server = start_server(args, receiver.endpoint, tracing)
     url = f"http://127.0.0.1:{args.port}"
     try:
         ready_s = wait_ready(url, server)
@@ -157,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
             ttfts = [t for _, t in rows]
             report[name] = {
                 "ttft_first_ms": 1000 * ttfts[0],
+                "ttft_last_ms": 1000 * ttfts[-1],
                 "ttft_p50_ms": 1000 * statistics.median(ttfts),
                 "ttft_max_ms": 1000 * max(ttfts),
                 "spans": span_table(receiver, [trace for trace, _ in rows]),
@@ -167,8 +167,33 @@ def run(args: argparse.Namespace) -> int:
             server.wait(120)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
+    return {
+        "tracing": tracing,
+        "ready_after_s": round(ready_s, 1),
+        "first_phase_cpu": first_phase_cpu,
+        "phases": report,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from raylane.bench.otlp_receiver import OtlpReceiver
+    except ImportError:
+        raise SystemExit("cold-path needs the tracing extra: pip install 'raylane[tracing]'") from None
+
+    receiver = OtlpReceiver()
+    settings = ["on", "off"] if args.tracing == "both" else [args.tracing]
+    runs = []
+    try:
+        for _ in range(args.repeat):
+            for tracing in settings:
+                runs.append(run_once(args, receiver, tracing))
+                print(f"\n== run {len(runs)}, tracing {tracing}")
+                print_report(runs[-1])
+    finally:
         receiver.close()
-    print_report(ready_s, first_phase_cpu, report)
+    if len(runs) > 1:
+        print_summary(runs)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         write_json(
@@ -178,26 +203,56 @@ def run(args: argparse.Namespace) -> int:
                 "date": datetime.date.today().isoformat(),
                 "client_machine": client_machine(),
                 "options": {k: str(v) for k, v in vars(args).items() if k != "func"},
-                "ready_after_s": round(ready_s, 1),
-                "first_phase_cpu": first_phase_cpu,
-                "phases": report,
+                "runs": runs,
             },
         )
     return 0
 
 
-def print_report(ready_s: float, cpu: dict[str, Any], report: dict[str, Any]) -> None:
-    print(f"/health ok {ready_s:.1f} s after start")
+def print_summary(runs: list[dict[str, Any]]) -> None:
+    """Per run, the lone requests' TTFT: first, last (the `--requests`th) and p50, and p50 at once."""
+    names = list(runs[0]["phases"])
+    rows = []
+    for i, r in enumerate(runs, 1):
+        lone, together = r["phases"][names[0]], r["phases"][names[-1]]
+        rows.append(
+            [
+                str(i),
+                r["tracing"],
+                f"{lone['ttft_first_ms']:.0f}",
+                f"{lone['ttft_last_ms']:.0f}",
+                f"{lone['ttft_p50_ms']:.0f}",
+                f"{r['phases'][names[1]]['ttft_p50_ms']:.0f}",
+                f"{together['ttft_p50_ms']:.0f}",
+            ]
+        )
+    print(f"\nTTFT ms, {len(runs)} clusters in the order they ran")
+    print_table(
+        ["run", "tracing", "first", "last", f"p50 {names[0]}", f"p50 {names[1]}", f"p50 {names[-1]}"], rows
+    )
+
+
+def print_report(run: dict[str, Any]) -> None:
+    cpu, report = run["first_phase_cpu"], run["phases"]
+    print(f"/health ok {run['ready_after_s']:.1f} s after start")
     spent = ", ".join(f"{k} {v:.1f}" for k, v in cpu["cpu_s"].items())
     print(f"CPU seconds in the first phase ({cpu['seconds']:g} s from ready): {spent}")
     print_table(
-        ["phase", "TTFT first", "p50", "max"],
+        ["phase", "TTFT first", "last", "p50", "max"],
         [
-            [name, f"{r['ttft_first_ms']:.0f}", f"{r['ttft_p50_ms']:.0f}", f"{r['ttft_max_ms']:.0f}"]
+            [
+                name,
+                f"{r['ttft_first_ms']:.0f}",
+                f"{r['ttft_last_ms']:.0f}",
+                f"{r['ttft_p50_ms']:.0f}",
+                f"{r['ttft_max_ms']:.0f}",
+            ]
             for name, r in report.items()
         ],
     )
     for name, r in report.items():
+        if not r["spans"]:
+            continue
         print(f"\n{name}: spans (ms from the request's first span)")
         print_table(
             ["span", "start p50", "duration p50", "max"],

@@ -218,3 +218,62 @@ def test_a_stream_resumed_on_another_replica_shows_both_replicas(app, receiver):
     replicas = {s.instance.removesuffix("/engine-core") for s in spans if s.instance.startswith("pool:")}
     assert replicas == {render.instance, served.instance} and render.instance != served.instance
     assert_nothing_secret(spans)
+
+
+def test_a_batch_is_the_parent_of_its_lines_requests(app, receiver):
+    """The batch actor's `batch` span, each line's request in the gateway under it, and that line's
+    pool call down to the engine core: one trace per batch, across three kinds of process."""
+    import time
+
+    headers = {"authorization": f"Bearer {KEY}"}
+    lines = [
+        {"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions", "body": chat_body(f"{i}")}
+        for i in range(2)
+    ]
+    for line in lines:
+        line["body"] = {**line["body"], "stream": False, "max_tokens": 4}
+    content = "".join(json.dumps(line) + "\n" for line in lines)
+    upload = requests.post(
+        f"{app}/v1/files", headers=headers, files={"file": ("in.jsonl", content)}, data={"purpose": "batch"}
+    )
+    assert upload.status_code == 200, upload.text
+    body = {
+        "input_file_id": upload.json()["id"],
+        "endpoint": "/v1/chat/completions",
+        "completion_window": "24h",
+    }
+    batch = requests.post(f"{app}/v1/batches", headers=headers, json=body).json()
+    deadline = time.monotonic() + 120
+    while batch["status"] not in ("completed", "failed", "cancelled", "expired"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.5)
+        batch = requests.get(f"{app}/v1/batches/{batch['id']}", headers=headers).json()
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 2, batch
+
+    deadline = time.monotonic() + 60
+    while not (
+        ours := [
+            s for s in by_name(receiver.spans, "batch") if s.attributes["raylane.batch_id"] == batch["id"]
+        ]
+    ):
+        assert time.monotonic() < deadline, "the batch's span was not received"
+        time.sleep(0.2)
+    [root] = ours
+    assert root.parent_span_id == "" and root.instance.startswith("batch:")
+    assert root.attributes["raylane.api_key.id"].startswith("key-")
+
+    def lines_done(spans: list[ReceivedSpan]) -> bool:
+        return (
+            len(by_name(spans, "engine.request")) == 2
+            and len(by_name(spans, "batch line /v1/chat/completions")) == 2
+        )
+
+    spans = receiver.wait_for(root.trace_id, lines_done, what="the batch lines' spans")
+    for line in by_name(spans, "batch line /v1/chat/completions"):
+        assert line.parent_span_id == root.span_id and line.instance.startswith("gateway:")
+        assert line.attributes["http.response.status_code"] == 200
+        [call] = [s for s in children(spans, line) if s.name == f"chat {MODEL}"]
+        [served] = [s for s in children(spans, call) if s.instance.startswith(f"pool:{MODEL}:")]
+        [engine] = [s for s in children(spans, served) if s.name == "engine.request"]
+        assert engine.attributes["gen_ai.usage.output_tokens"] == 4
+    assert_nothing_secret(spans)
