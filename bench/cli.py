@@ -25,6 +25,7 @@ BENCHMARKS = {
     "accuracy": "raylane.bench.accuracy",
     "serving-cpu": "raylane.bench.serving_cpu",
     "scale": "raylane.bench.scale",
+    "autoscale": "raylane.bench.autoscale",
     "cold-path": "raylane.bench.cold_path",
 }
 
