@@ -70,7 +70,9 @@ def pool_config(args: argparse.Namespace) -> dict[str, Any]:
 def running_replicas() -> int:
     from ray import serve
 
-    app = serve.status().applications.get(APP)
+    from raylane.bench.apps import APP_PREFIX
+
+    app = serve.status().applications.get(APP_PREFIX + APP)
     deployment = app.deployments.get(POOL) if app else None
     return deployment.replica_states.get("RUNNING", 0) if deployment else 0
 
@@ -142,7 +144,10 @@ def run(args: argparse.Namespace) -> int:
 
     with LocalServe() as local:
         url = local.deploy({APP: ClusterConfig.from_dict(pool_config(args))})[APP]
+        deadline = time.monotonic() + 300
         while running_replicas() < args.min_replicas:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the pool did not run {args.min_replicas} replicas within 300 s")
             time.sleep(1)
         streams, replicas = step(Target("raylane", (url,), "sim"), args)
     result = summarize(streams, replicas, args)
