@@ -9,7 +9,8 @@ the foreground, runs for an hour) carries a marker on the line before its fence,
 
     <!-- not tested: needs a Kubernetes cluster with KubeRay -->
 
-Blocks in other languages (yaml, text, ...) are not run.
+YAML blocks are cluster configs, or sections of one: tests/unit/test_docs_config_examples.py validates
+them against `ClusterConfig`. Blocks in other languages (text, ...) are left alone.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ DOCS_ADDRESS = re.compile(r"(https?://)?(127\.0\.0\.1|localhost):8000")
 NOT_TESTED = re.compile(r"^<!--\s*not tested:\s*(?P<why>.*\S)\s*-->$")
 FENCE = re.compile(r"^(?P<ticks>`{3,})(?P<lang>[\w+-]*)\s*$")
 LANGUAGES = {"python": "python", "py": "python", "bash": "shell", "sh": "shell", "shell": "shell"}
+LANGUAGES |= {"yaml": "yaml", "yml": "yaml"}
 
 
 @dataclass(frozen=True)
 class Example:
     page: str  # relative to the repository root
     line: int  # of the opening fence, 1-based
-    language: str  # python or shell
+    language: str  # python, shell or yaml (a cluster config, or part of one: validated, not run)
     code: str
     not_tested: str | None  # the marker's reason, or None: the block runs
 
@@ -39,7 +41,7 @@ def pages() -> list[Path]:
 
 
 def examples(path: Path) -> list[Example]:
-    """The Python and shell blocks of one markdown file, in order."""
+    """The Python, shell and YAML blocks of one markdown file, in order."""
     lines = path.read_text().splitlines()
     found, i = [], 0
     while i < len(lines):
