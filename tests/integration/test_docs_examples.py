@@ -5,6 +5,7 @@ tests/docs_examples.py. What the examples print is the demo models' noise, so ea
 running to the end (exit 0), not by its output."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,22 @@ def environment() -> dict:
     return os.environ | {"PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "PYTHONUNBUFFERED": "1"}
 
 
+def run(command: list[str], cwd: Path, timeout_s: float) -> subprocess.CompletedProcess:
+    """`command` in a session of its own; past `timeout_s` its whole process group is killed, so an
+    example that starts a server (one a marker forgot) leaves nothing running."""
+    with subprocess.Popen(
+        command, cwd=cwd, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    ) as proc:  # fmt: skip
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            stderr += f"\n(killed after {timeout_s:g} s)"
+        return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
 @pytest.mark.parametrize("page", PYTHON_PAGES)
 def test_a_pages_python_examples_run(api_server, page, tmp_path):
     script, starts = python_script(
@@ -31,14 +48,7 @@ def test_a_pages_python_examples_run(api_server, page, tmp_path):
     )
     path = tmp_path / "examples.py"
     path.write_text(script)
-    done = subprocess.run(
-        [sys.executable, str(path)],
-        cwd=tmp_path,
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run([sys.executable, str(path)], tmp_path, 300)
     where = ", ".join(f"script line {s} = {page}:{p}" for s, p in starts)
     assert done.returncode == 0, (
         f"{page}'s Python examples failed ({where}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
@@ -47,10 +57,7 @@ def test_a_pages_python_examples_run(api_server, page, tmp_path):
 
 @pytest.mark.parametrize("example", SHELL, ids=[f"{e.page}:{e.line}" for e in SHELL])
 def test_a_shell_example_runs(api_server, example):
-    done = subprocess.run(
-        ["bash", "-e", "-c", SHELL_PRELUDE + at(example.code, api_server.url)],
-        cwd=REPO, env=environment(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = run(["bash", "-e", "-c", SHELL_PRELUDE + at(example.code, api_server.url)], REPO, 120)
     assert done.returncode == 0, (
         f"{example.page}:{example.line} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
     )
