@@ -1,12 +1,12 @@
 # Two entry points on a fresh machine:
 #   make run   installs into .venv and runs the main job
-#   make test  installs into .venv (with the test extra) and runs lint + the test suite
+#   make test  installs into .venv (with the test extra) and runs lint, the docs build and the test suite
 #   make compat  the compatibility suite: real client libraries (their own environments) against raylane
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-test run test lint bench clean compat compat-install
+.PHONY: install install-test run test lint docs bench clean compat compat-install
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +37,12 @@ lint:
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: install-test lint
+# The docs site (mkdocs.yml, docs/): strict, so a broken link or a missing page fails; offline (no web
+# fonts, no remote plugins). The configuration and metrics references are generated as it builds.
+docs:
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+test: install-test lint docs
 	$(BIN)/pytest -q --durations=40
 
 # The compatibility suite (tests/compat/): openai-agents, pydantic-ai, instructor, langchain-openai,

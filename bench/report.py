@@ -32,7 +32,7 @@ is measured per part as the CPU used by processes outside this command's process
 included) and printed with the part; on two cores figures under much other load are not reliable.
 
 `--update-docs` replaces what lies between `<!-- bench-report:NAME -->` and `<!-- /bench-report:NAME -->`
-in README.md (NAME = summary) and bench/README.md (NAME = full) under `--docs-root`, and copies
+in docs/performance.md (NAME = summary) and bench/README.md (NAME = full) under `--docs-root`, and copies
 report.json to bench/results/report.json there, which the rewritten sections name: the figures in the
 docs and the JSON they came from are checked in together.
 """
@@ -53,7 +53,7 @@ from raylane.models.sources import engine_config, model_path
 
 PARTS = ("engine", "overhead", "routing", "prefix", "sweep", "affinity")
 REPO = Path(__file__).resolve().parent.parent
-DOCS = {"summary": "README.md", "full": "bench/README.md"}
+DOCS = {"summary": "docs/performance.md", "full": "bench/README.md"}
 KEPT_JSON = "bench/results/report.json"  # under --docs-root; what --update-docs checks in beside the docs
 PREFIX_GOAL = 3.0
 
@@ -65,7 +65,7 @@ class ReportError(RuntimeError):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="write report.md, report.json and parts here")
     parser.add_argument("--update-docs", action="store_true", help="rewrite the marked sections of the docs")
-    parser.add_argument("--docs-root", type=Path, default=REPO, help="where README.md and bench/ are")
+    parser.add_argument("--docs-root", type=Path, default=REPO, help="where docs/ and bench/ are")
     parser.add_argument("--skip", type=parts_list, default=[], help=f"parts to leave out: {','.join(PARTS)}")
     parser.add_argument("--quick", action="store_true", help="fewer requests everywhere (a smoke run)")
     parser.add_argument("--model", default=None, help="serving checkpoint (default: the demo Llama)")

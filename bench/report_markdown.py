@@ -1,5 +1,6 @@
 """Markdown of a `raylane bench report` run: the full tables (bench/README.md) and a summary table of
-the goals (README.md). Pure functions of the report dict; a part that was skipped or failed says so."""
+the goals (docs/performance.md). Pure functions of the report dict; a part that was skipped or failed
+says so."""
 
 from typing import Any
 

@@ -15,6 +15,9 @@ BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", 
 
 
 class BatchConfig(StrictModel):
+    """OpenAI's Batch API on the capacity interactive traffic leaves idle: where records live, and
+    what one key and one line may use."""
+
     enabled: bool = Field(True, description="Serve /v1/files and /v1/batches.")
     store: str | None = Field(
         None,

@@ -94,6 +94,8 @@ class ConversationWeights(StrictModel):
 
 
 class CircuitBreakerConfig(StrictModel):
+    """When a failing pool is taken out of its routes' fallback chains, and for how long."""
+
     failure_threshold: int = Field(5, ge=1, description="consecutive failures that open a pool's circuit")
     cooldown_s: float = Field(
         30.0, gt=0, description="seconds an open circuit rejects traffic before one probe request"
@@ -138,7 +140,11 @@ class AffinityConfig(StrictModel):
 class RouterConfig(StrictModel):
     """The semantic classifier, routes, fallback and admission settings."""
 
-    routes: list[RouteConfig] = Field(default_factory=default_routes, min_length=1)
+    routes: list[RouteConfig] = Field(
+        default_factory=default_routes,
+        min_length=1,
+        description="where `auto` may send a request: each route names its pool and fallback chain",
+    )
     default_route: str = Field("chat", description="route for `auto` requests the classifier is unsure of")
     confidence_threshold: float = Field(
         0.45, ge=0, le=1, description="below this classifier probability, `auto` goes to `default_route`"
@@ -148,13 +154,19 @@ class RouterConfig(StrictModel):
         description="labelled prompts (TSV `route<TAB>text`) the classifier learns from; "
         "'builtin' = the project's router/dataset/train.tsv, null = only the routes' `examples`",
     )
-    weights: ConversationWeights = Field(default_factory=ConversationWeights)
+    weights: ConversationWeights = Field(
+        default_factory=ConversationWeights, description="how much each part of a conversation weighs"
+    )
     max_tokens: int = Field(
         128, ge=16, le=256, description="embedding-model tokens read per message (head and tail of long text)"
     )
     quantize: bool = Field(True, description="int8 dynamic quantization of the classifier's linear layers")
-    circuit_breaker: CircuitBreakerConfig = Field(default_factory=CircuitBreakerConfig)
-    affinity: AffinityConfig = Field(default_factory=AffinityConfig)
+    circuit_breaker: CircuitBreakerConfig = Field(
+        default_factory=CircuitBreakerConfig, description="when a failing pool is skipped, and for how long"
+    )
+    affinity: AffinityConfig = Field(
+        default_factory=AffinityConfig, description="keeping an `auto` conversation on one pool"
+    )
     default_max_in_flight: int = Field(
         64,
         ge=1,
@@ -211,7 +223,7 @@ class RouterConfig(StrictModel):
 class TierConfig(StrictModel):
     """A class of service: how soon its requests are served and how much it may use."""
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, description="tier name, named by API keys and reported in x-raylane-tier")
     priority: int = Field(ge=0, description="lower is served first, as in vLLM; passed to the engine")
     requests_per_minute: int | None = Field(
         None,

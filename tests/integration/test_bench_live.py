@@ -213,9 +213,10 @@ def test_bench_report_writes_tables_and_rewrites_only_the_marked_sections(
 ):
     docs = tmp_path / "docs"
     (docs / "bench").mkdir(parents=True)
+    (docs / "docs").mkdir()
     marked = "<!-- bench-report:summary -->\nold figures\n<!-- /bench-report:summary -->"
-    readme = f"# raylane\n\nBefore.\n{marked}\nAfter.\n"
-    (docs / "README.md").write_text(readme)
+    page = f"# Performance\n\nBefore.\n{marked}\nAfter.\n"
+    (docs / "docs" / "performance.md").write_text(page)
     (docs / "bench" / "README.md").write_text(
         "# Benchmarks\n<!-- bench-report:full -->\n<!-- /bench-report:full -->\n"
     )
@@ -236,8 +237,8 @@ def test_bench_report_writes_tables_and_rewrites_only_the_marked_sections(
     assert "raylane-llama-tiny" in report and "cores" in report  # the model and the machine are named
     goals = [line for line in report.splitlines() if "goal" in line and ("met" in line)]
     assert len(goals) >= 4
-    summary = (docs / "README.md").read_text()
-    assert summary.startswith("# raylane\n\nBefore.\n<!-- bench-report:summary -->\nMeasured ")
+    summary = (docs / "docs" / "performance.md").read_text()
+    assert summary.startswith("# Performance\n\nBefore.\n<!-- bench-report:summary -->\nMeasured ")
     assert summary.endswith("<!-- /bench-report:summary -->\nAfter.\n") and "old figures" not in summary
     assert "| prefix-cache TTFT p50 gain" in summary
     full = (docs / "bench" / "README.md").read_text()

@@ -1,7 +1,7 @@
 """Reliability tests: each module deploys its own small app on the session's Serve (so killing a
 replica or draining a gateway disturbs no other test) and records its figures with `report`; the
 table is printed at the end of the run, and written as JSON to $RAYLANE_RELIABILITY_REPORT if set
-(the README's reliability table comes from there)."""
+(docs/reliability.md's table comes from there)."""
 
 import json
 import os

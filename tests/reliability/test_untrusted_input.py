@@ -212,7 +212,7 @@ def test_fuzz_the_published_schema(fuzz_schema, untrusted, method, path, example
 
 
 def test_fuzz_figures(report, capsys):
-    """At least 1,000 generated requests in all, none answered with a 5xx (reported for the README)."""
+    """At least 1,000 generated requests in all, none answered with a 5xx (for docs/reliability.md)."""
     if len(STATUSES) != len(FUZZ):
         pytest.skip("runs after every fuzz test")
     total = Counter()
