@@ -5,7 +5,8 @@ queue, no weights, bench/fleet.py) scales on the requests waiting in its engines
 loop) and run for `--duration-s`. Every second the bench reads Serve's replica states; afterwards it
 bins each stream's finish into the output rate over time.
 
-Reported: when the first new replica ran and when all of them did (time to capacity), when the
+Reported: when Serve started the first new replica (the autoscaler's decision), when it ran and when
+all of them did (time to capacity), when the
 output rate first reached 90% of its plateau (the median of the last third of the run), and every
 stream that failed or came back short: none may be lost while replicas start.
 
@@ -67,18 +68,20 @@ def pool_config(args: argparse.Namespace) -> dict[str, Any]:
     return config
 
 
-def running_replicas() -> int:
+def replica_states() -> tuple[int, int]:
+    """The pool's (running, starting) replicas, as Serve counts them."""
     from ray import serve
 
     from raylane.bench.apps import APP_PREFIX
 
     app = serve.status().applications.get(APP_PREFIX + APP)
     deployment = app.deployments.get(POOL) if app else None
-    return deployment.replica_states.get("RUNNING", 0) if deployment else 0
+    states = deployment.replica_states if deployment else {}
+    return states.get("RUNNING", 0), states.get("STARTING", 0)
 
 
-def step(target: Target, args: argparse.Namespace) -> tuple[list[Stream], list[tuple[float, int]]]:
-    """The streams of the step and (seconds since it began, running replicas) once a second."""
+def step(target: Target, args: argparse.Namespace) -> tuple[list[Stream], list[tuple[float, int, int]]]:
+    """The streams of the step and (seconds since it began, running, starting replicas) once a second."""
     requests = [
         BenchRequest(
             messages=[{"role": "user", "content": f"Tell a long story, number {i}."}],
@@ -87,13 +90,13 @@ def step(target: Target, args: argparse.Namespace) -> tuple[list[Stream], list[t
         )
         for i in range(256)
     ]
-    replicas: list[tuple[float, int]] = []
+    replicas: list[tuple[float, int, int]] = []
     done = threading.Event()
     started = time.monotonic()
 
     def sample() -> None:
         while not done.is_set():
-            replicas.append((time.monotonic() - started, running_replicas()))
+            replicas.append((time.monotonic() - started, *replica_states()))
             done.wait(1.0)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -109,7 +112,7 @@ def step(target: Target, args: argparse.Namespace) -> tuple[list[Stream], list[t
     return streams, replicas
 
 
-def summarize(streams: list[Stream], replicas: list[tuple[float, int]], args) -> dict[str, Any]:
+def summarize(streams: list[Stream], replicas: list[tuple[float, int, int]], args) -> dict[str, Any]:
     rate: dict[int, int] = {}
     for s in streams:
         if s.e2e is not None:
@@ -119,8 +122,9 @@ def summarize(streams: list[Stream], replicas: list[tuple[float, int]], args) ->
     bins = [rate.get(b, 0) / BIN_S for b in range(int(args.duration_s // BIN_S))]
     plateau = statistics.median(bins[len(bins) * 2 // 3 :]) if bins else 0.0
     at_90 = next((i * BIN_S for i, r in enumerate(bins) if plateau and r >= 0.9 * plateau), None)
-    first_new = next((t for t, n in replicas if n > args.min_replicas), None)
-    all_up = next((t for t, n in replicas if n >= args.max_replicas), None)
+    asked = next((t for t, n, starting in replicas if n + starting > args.min_replicas), None)
+    first_new = next((t for t, n, _ in replicas if n > args.min_replicas), None)
+    all_up = next((t for t, n, _ in replicas if n >= args.max_replicas), None)
     lost = [s for s in streams if s.status != 200 or s.output_tokens != args.max_tokens]
     return {
         "streams": len(streams),
@@ -128,9 +132,10 @@ def summarize(streams: list[Stream], replicas: list[tuple[float, int]], args) ->
         "lost_examples": [
             {"status": s.status, "error": s.error, "tokens": s.output_tokens} for s in lost[:5]
         ],
+        "first_replica_starting_s": asked,
         "first_new_replica_s": first_new,
         "all_replicas_s": all_up,
-        "most_replicas": max((n for _, n in replicas), default=0),
+        "most_replicas": max((n for _, n, _ in replicas), default=0),
         "output_tokens_per_s_plateau": plateau,
         "rate_at_90pct_of_plateau_s": at_90,
         "output_tokens_per_s": bins,
@@ -145,34 +150,12 @@ def run(args: argparse.Namespace) -> int:
     with LocalServe() as local:
         url = local.deploy({APP: ClusterConfig.from_dict(pool_config(args))})[APP]
         deadline = time.monotonic() + 300
-        while running_replicas() < args.min_replicas:
+        while replica_states()[0] < args.min_replicas:
             if time.monotonic() > deadline:
                 raise SystemExit(f"the pool did not run {args.min_replicas} replicas within 300 s")
             time.sleep(1)
         streams, replicas = step(Target("raylane", (url,), "sim"), args)
     result = summarize(streams, replicas, args)
-    print_table(
-        [
-            "replicas",
-            "streams",
-            "first new replica",
-            "all replicas",
-            "90% of plateau",
-            "plateau tok/s",
-            "lost",
-        ],
-        [
-            [
-                f"{args.min_replicas} -> {args.max_replicas} (most {result['most_replicas']})",
-                str(result["streams"]),
-                seconds(result["first_new_replica_s"]),
-                seconds(result["all_replicas_s"]),
-                seconds(result["rate_at_90pct_of_plateau_s"]),
-                f"{result['output_tokens_per_s_plateau']:.0f}",
-                str(result["lost"]),
-            ]
-        ],
-    )
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         write_json(
@@ -188,7 +171,35 @@ def run(args: argparse.Namespace) -> int:
             },
         )
         plot(result, args.out / "autoscale.png")
+    print_result(result, args)
     return 0
+
+
+def print_result(result: dict[str, Any], args: argparse.Namespace) -> None:
+    print_table(
+        [
+            "replicas",
+            "streams",
+            "first starting",
+            "first running",
+            "all running",
+            "90% of plateau",
+            "plateau tok/s",
+            "lost",
+        ],
+        [
+            [
+                f"{args.min_replicas} -> {args.max_replicas} (most {result['most_replicas']})",
+                str(result["streams"]),
+                seconds(result["first_replica_starting_s"]),
+                seconds(result["first_new_replica_s"]),
+                seconds(result["all_replicas_s"]),
+                seconds(result["rate_at_90pct_of_plateau_s"]),
+                f"{result['output_tokens_per_s_plateau']:.0f}",
+                str(result["lost"]),
+            ]
+        ],
+    )
 
 
 def seconds(value: float | None) -> str:
@@ -202,8 +213,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, left = plt.subplots(figsize=(8, 4))
-    times, counts = zip(*result["replicas"], strict=True) if result["replicas"] else ((), ())
-    left.step(times, counts, where="post", color="tab:blue", label="running replicas")
+    samples = result["replicas"]
+    times = [t for t, _, _ in samples]
+    left.step(times, [n for _, n, _ in samples], where="post", color="tab:blue", label="running replicas")
+    left.step(
+        times,
+        [n + s for _, n, s in samples],
+        where="post",
+        color="tab:blue",
+        linestyle=":",
+        label="with starting",
+    )
     left.set_xlabel("seconds since the step")
     left.set_ylabel("running replicas")
     right = left.twinx()
