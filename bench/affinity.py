@@ -229,8 +229,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-chars", type=int, default=2000, help="characters per system prompt")
     parser.add_argument("--rounds", type=int, default=6, help="batches per app, alternated")
     parser.add_argument("--per-round", type=int, default=16, help="requests per batch")
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=8, help="conversations at once")
+    parser.add_argument("--max-tokens", type=int, default=8, help="output tokens of each turn")
     parser.add_argument(
         "--kv-blocks", type=int, default=320, help="KV blocks per replica of the pool (the single: twice)"
     )
@@ -252,8 +252,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="routing.kv_weight of raylane's pool (default: the config's)",
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/affinity.json"))
+    parser.add_argument("--seed", type=int, default=0, help="seed of the conversations' prompts")
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench/results/affinity.json"), help="where the JSON goes"
+    )
 
 
 def routing_overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -35,8 +35,10 @@ BIN_S = 5.0  # the output rate's resolution
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="llama-3.1-8b-l4", help="the simulated engine's profile")
-    parser.add_argument("--min-replicas", type=int, default=2)
-    parser.add_argument("--max-replicas", type=int, default=32)
+    parser.add_argument("--min-replicas", type=int, default=2, help="replicas before the step")
+    parser.add_argument(
+        "--max-replicas", type=int, default=32, help="the most replicas the pool may scale to"
+    )
     parser.add_argument(
         "--max-num-seqs",
         type=int,
@@ -46,9 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--concurrency", type=int, help="streams in the step (default: max replicas x max num seqs)"
     )
-    parser.add_argument("--duration-s", type=float, default=240.0)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--duration-s", type=float, default=240.0, help="how long the step's streams are sent"
+    )
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens of each stream")
+    parser.add_argument("--out", type=Path, help="folder for autoscale.json and autoscale.png")
 
 
 def pool_config(args: argparse.Namespace) -> dict[str, Any]:

@@ -50,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=20, help="requests per interactive client and phase")
     parser.add_argument("--chat-tokens", type=int, default=16, help="max_tokens of an interactive request")
     parser.add_argument("--concurrency", type=int, default=8, help="direct requests at once in the burst")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/batch.json"))
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench/results/batch.json"), help="where the JSON goes"
+    )
 
 
 def pool_config(model: str, concurrency: int, store: Path) -> ClusterConfig:

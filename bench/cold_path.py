@@ -36,9 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="chat", help="the pool (or model) the requests name")
     parser.add_argument("--requests", type=int, default=10, help="lone requests per phase")
     parser.add_argument("--gap-s", type=float, default=0.5, help="the pause between spaced requests")
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=4, help="requests at once in the last phase")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the last phase")
+    parser.add_argument("--max-tokens", type=int, default=8, help="output tokens of each request")
     parser.add_argument("--settle-s", type=float, default=0.0, help="wait this long after ready")
     parser.add_argument(
         "--tracing",
@@ -47,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="off: no spans, the TTFTs without tracing's cost; both: on and off alternated",
     )
     parser.add_argument("--repeat", type=int, default=1, help="clusters started per tracing setting")
-    parser.add_argument("--port", type=int, default=18321)
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--port", type=int, default=18321, help="the port `raylane serve` listens on")
+    parser.add_argument("--out", type=Path, help="folder for cold_path.json")
 
 
 def start_server(args: argparse.Namespace, endpoint: str, tracing: str) -> subprocess.Popen:

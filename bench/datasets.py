@@ -178,18 +178,24 @@ def iter_json_array(text: str):
 
 def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("workload")
-    group.add_argument("--dataset", choices=DATASETS, default="random")
+    group.add_argument("--dataset", choices=DATASETS, default="random", help="prompts to send")
     group.add_argument("--num-prompts", type=int, default=64, help="requests per sweep point")
     group.add_argument("--seed", type=int, default=0, help="dataset, lengths and arrival times")
     group.add_argument("--tokenizer", metavar="DIR", help="count prompt tokens with this HF tokenizer")
-    group.add_argument("--random-input-len", type=int, default=128)
-    group.add_argument("--random-output-len", type=int, default=64)
+    group.add_argument("--random-input-len", type=int, default=128, help="prompt tokens of a random prompt")
+    group.add_argument(
+        "--random-output-len", type=int, default=64, help="output tokens asked of a random prompt"
+    )
     group.add_argument(
         "--random-range-ratio", type=float, default=0.5, help="lengths uniform in len * (1 -/+ ratio)"
     )
     group.add_argument("--prefix-len", type=int, default=512, help="tokens in the shared system prompt")
-    group.add_argument("--prefix-question-len", type=int, default=16)
-    group.add_argument("--prefix-output-len", type=int, default=32)
+    group.add_argument(
+        "--prefix-question-len", type=int, default=16, help="tokens of the question after the shared prefix"
+    )
+    group.add_argument(
+        "--prefix-output-len", type=int, default=32, help="output tokens asked of a prefix prompt"
+    )
     group.add_argument("--sharegpt-output-len", type=int, help="override the replies' lengths")
     group.add_argument("--sharegpt-max-len", type=int, default=2048, help="prompt + reply token limit")
 

@@ -47,14 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg = parser.add_argument
     arg("--model", help=f"checkpoint directory (default: {MODEL_NAME}, written to --cache-dir)")
     arg("--cache-dir", type=Path, default=cache, help="where the default model lives (default: %(default)s)")
-    arg("--num-prompts", type=int, default=64)
+    arg("--num-prompts", type=int, default=64, help="prompts generated")
     arg("--max-batch-size", type=int, default=16, help="HF's batch size and the engine's max_num_seqs")
     arg("--repeats", type=int, default=3, help="HF/raylane runs each, alternated so machine drift hits both")
     arg("--decode-steps", type=int, default=30, help="decode steps timed for the step overhead")
     arg("--decode-context", type=int, default=128, help="prompt tokens of each request in the decode batch")
     arg("--threads", type=int, help="torch threads (default: torch's, one per core)")
     arg("--dtype", choices=("float32", "bfloat16"), default="float32", help="of both sides (default float32)")
-    arg("--seed", type=int, default=0)
+    arg("--seed", type=int, default=0, help="seed of the prompts and sampling")
     arg("--out", type=Path, help="folder to write engine.json and engine.png into")
 
 

@@ -43,7 +43,7 @@ print(time.perf_counter() - t)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a .gguf file or a packaged model")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed opens per file")
     parser.add_argument("--out", type=Path, help="folder to write gguf_open.json into")
 
 

@@ -30,8 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg = parser.add_argument
     arg("--tokens", default="1,4,16,64,256", help="rows of the activations (tokens in a step)")
     arg("--layers", type=int, default=12, help="copies of the layer's weights")
-    arg("--dtype", choices=("float32", "bfloat16"), default="float32")
-    arg("--repeats", type=int, default=20)
+    arg("--dtype", choices=("float32", "bfloat16"), default="float32", help="the weights' dtype")
+    arg("--repeats", type=int, default=20, help="timed runs per shape")
     arg("--threads", type=int, help="torch threads (default: torch's, one per core)")
     arg("--out", type=Path, help="folder to write linears.json into")
     arg("--int4", action="store_true", help="SmolLM2's shapes: fp32, bf16, int8 and int4 per shape")

@@ -35,16 +35,16 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a .gguf file or a packaged model")
-    parser.add_argument("--adapters", type=int, default=8)
-    parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--prompt-tokens", type=int, default=96)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--adapters", type=int, default=8, help="LoRA adapters loaded and mixed in the batch")
+    parser.add_argument("--rank", type=int, default=8, help="each adapter's rank")
+    parser.add_argument("--requests", type=int, default=32, help="requests per round")
+    parser.add_argument("--prompt-tokens", type=int, default=96, help="tokens in each prompt")
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens of each request")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per setting, alternated")
     parser.add_argument("--out", type=Path, help="folder to write lora.json (lora_hot.json) into")
     parser.add_argument("--hot", action="store_true", help="the two-replica hot-adapter run instead")
     parser.add_argument("--hot-rounds", type=int, default=4, help="batches per workload, alternated")
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=8, help="requests at once")
 
 
 def make_adapters(checkpoint: str, folder: Path, count: int, rank: int) -> list[str]:

@@ -69,8 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="requests decoding together")
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--decode-steps", type=int, default=32, help="decode steps timed per repeat")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per setting")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where the ranks run (auto: CUDA when there is a GPU)",
+    )
     parser.add_argument(
         "--cpus-per-rank", type=float, help="Ray CPUs (and CPU threads) per rank; default: cores / ranks"
     )
@@ -79,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the one-rank layouts (a model that needs several GPUs)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     parser.add_argument("--out", type=Path, help="write parallel.json and parallel.png here")
 
 

@@ -81,8 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg("--weight-batch", type=int, default=16, help="the larger batch of the weights runs")
     arg("--agree-prompts", type=int, default=8, help="chat prompts the agreement with float32 is taken on")
     arg("--ttft-prompt-tokens", type=int, default=200, help="about this many tokens in the TTFT prompt")
-    arg("--skip-speculation", action="store_true")
-    arg("--skip-weights", action="store_true")
+    arg("--skip-speculation", action="store_true", help="leave out the speculative-decoding settings")
+    arg("--skip-weights", action="store_true", help="leave out the weight-format settings")
     arg("--out", type=Path, help="folder to write pool_settings.json into")
 
 

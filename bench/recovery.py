@@ -32,7 +32,7 @@ POLL_S = 0.02
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="cluster config (default: the embedded default)")
     parser.add_argument("--pool", default="coding", help="the pool whose replica is killed")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="kills per scenario")
     parser.add_argument("--out", type=Path, help="folder to write recovery.json into")
 
 

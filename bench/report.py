@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=str, default="1,2,4,8,16", help="sweep points")
     parser.add_argument("--prefix-len", type=int, default=1024, help="tokens of the shared system prompt")
     parser.add_argument("--engine-repeats", type=int, default=1, help="HF/raylane runs in the engine part")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of every benchmark's prompts")
 
 
 def parts_list(text: str) -> list[str]:

@@ -61,8 +61,15 @@ def int_list(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="llama-3.1-8b-l4", help="the simulated engine's profile")
-    parser.add_argument("--replicas", type=int_list, default=[1, 4, 16])
-    parser.add_argument("--concurrency", type=int_list, default=[16, 64, 256])
+    parser.add_argument(
+        "--replicas", type=int_list, default=[1, 4, 16], help="replica counts to sweep (comma-separated)"
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int_list,
+        default=[16, 64, 256],
+        help="closed-loop streams to sweep (comma-separated)",
+    )
     parser.add_argument(
         "--request-rate", type=lambda t: [float(x) for x in t.split(",") if x], default=[], help="Poisson"
     )
@@ -70,11 +77,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--targets", default=",".join(TARGETS), help=f"any of {', '.join(TARGETS)}")
     parser.add_argument("--duration-s", type=float, default=20.0, help="each point's sending window")
     parser.add_argument("--max-tokens", type=int, default=64, help="cap on each stream's output tokens")
-    parser.add_argument("--num-prompts", type=int, default=2000)
+    parser.add_argument("--num-prompts", type=int, default=2000, help="prompts drawn for each point")
     parser.add_argument("--system-prompts", type=int, default=8, help="the prefix workload's shared prompts")
-    parser.add_argument("--system-prompt-tokens", type=int, default=1000)
+    parser.add_argument(
+        "--system-prompt-tokens",
+        type=int,
+        default=1000,
+        help="tokens in each shared system prompt (prefix workload)",
+    )
     parser.add_argument("--max-num-seqs", type=int, help="each engine's (default: the profile's)")
-    parser.add_argument("--ingress", choices=("proxy", "haproxy"), default="proxy")
+    parser.add_argument(
+        "--ingress",
+        choices=("proxy", "haproxy"),
+        default="proxy",
+        help="what raylane's fleet runs in front of the gateway",
+    )
     parser.add_argument(
         "--phases",
         choices=("auto", "together", "apart"),
@@ -82,8 +99,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="start raylane's fleet and the sim-servers' together (targets alternate point by point) "
         "or one after the other; auto: apart when both would not fit in this machine's memory",
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the workload's sampling and Poisson arrivals"
+    )
+    parser.add_argument("--out", type=Path, help="folder for scale.json and scale.png")
 
 
 def workload(name: str, args: argparse.Namespace, variant: int) -> list[BenchRequest]:

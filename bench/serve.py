@@ -77,10 +77,15 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     mode = group.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", type=int_list, help="requests in flight, e.g. 1,4,16,64 (default 4)")
     mode.add_argument("--request-rate", type=float_list, help="Poisson arrivals per second, e.g. 1,2 or inf")
-    group.add_argument("--slo", type=parse_slo, default=Slo(), help="goodput SLOs: ttft=MS,tpot=MS,e2e=MS")
+    group.add_argument(
+        "--slo",
+        type=parse_slo,
+        default=Slo(),
+        help="goodput SLOs: ttft=MS,tpot=MS,e2e=MS (default: none, every request counts)",
+    )
     group.add_argument("--warmup", type=int, default=1, help="unmeasured requests first (also a check)")
     group.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     group.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,

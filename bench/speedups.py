@@ -39,13 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg("--demo-dir", type=Path, help="demo models folder (default: RAYLANE_DEMO_DIR or ~/.cache/raylane)")
     arg("--window", type=int, default=16, help="sliding window the demo weights run with")
     arg("--output-len", type=int, default=96, help="tokens generated per request")
-    arg("--num-speculative-tokens", type=int, default=5)
-    arg("--prompt-lookup-max", type=int, default=4)
-    arg("--prompt-lookup-min", type=int, default=2)
-    arg("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    arg("--num-speculative-tokens", type=int, default=5, help="tokens the n-gram drafter proposes per step")
+    arg("--prompt-lookup-max", type=int, default=4, help="longest n-gram the drafter looks up")
+    arg("--prompt-lookup-min", type=int, default=2, help="shortest n-gram the drafter looks up")
+    arg("--batch-sizes", type=int, nargs="+", default=[1, 8], help="batch sizes to measure (comma-separated)")
     arg("--repeats", type=int, default=3, help="runs of each setting, interleaved; the best is reported")
     arg("--threads", type=int, help="torch threads (default: torch's, one per core)")
-    arg("--skip-quantization", action="store_true")
+    arg("--skip-quantization", action="store_true", help="leave out the quantized weights' rows")
     arg("--out", type=Path, help="folder to write speedups.json into")
 
 

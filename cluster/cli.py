@@ -38,14 +38,47 @@ SUBCOMMANDS = {
 }
 
 
+class ReferenceFormatter(argparse.HelpFormatter):
+    """Help that reads as a reference: an option and its text on one line where the terminal allows,
+    and its default shown when it has one that its text does not already name."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=36, width=110)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or action.default in (None, False, argparse.SUPPRESS)
+            or "default" in text
+            or "%(default)" in text
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="raylane", description="raylane LLM serving cluster")
+    parser = argparse.ArgumentParser(
+        prog="raylane", description="raylane LLM serving cluster", formatter_class=ReferenceFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
-        sub_parser = sub.add_parser(name, help=help_text)
+        sub_parser = sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=ReferenceFormatter
+        )
         sub_parser.set_defaults(_module=module)
         importlib.import_module(module).add_arguments(sub_parser)
+    _format_all(parser)
     return parser
+
+
+def _format_all(parser: argparse.ArgumentParser) -> None:
+    """The reference format for the subcommands' own subcommands too (`k8s render`, `bench serve`)."""
+    parser.formatter_class = ReferenceFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _format_all(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

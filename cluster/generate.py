@@ -7,9 +7,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="+", help="prompt texts")
     parser.add_argument("--model", help="checkpoint directory (default: the embedded demo Llama)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of a chat")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=32, help="output tokens")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -28,8 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         help=f"hardware profile: {', '.join(SIM_PROFILES)}, or a profile YAML file",
     )
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument(
         "--served-model-name", help="the model id clients send (default: the model the profile stands for)"
     )
