@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         with serve_env(config.http.ingress):
             head = None if joined else LocalHead.start()
         address = os.environ["RAY_ADDRESS"] if joined else head.address
-        ray.init(address=address, namespace="raylane", logging_level="WARNING")
+        context = ray.init(address=address, namespace="raylane", logging_level="WARNING")
         for signum in (signal.SIGINT, signal.SIGTERM):  # again: the driver's core worker installs its own
             _stop_on(signum)
         http = config.http
@@ -131,6 +131,12 @@ def run(args: argparse.Namespace) -> int:
         front = "" if joined else f", behind Serve's {'HAProxy' if http.ingress == 'haproxy' else 'proxy'}"
         print(
             f"raylane: OpenAI API at http://{host}:{http.port}/v1 (models: {models}{front}); Ctrl-C stops it",
+            flush=True,
+        )
+        dashboard = f"; Ray's dashboard at http://{context.dashboard_url}" if context.dashboard_url else ""
+        print(
+            f"raylane: health at http://{host}:{http.port}/health, metrics at /metrics{dashboard}; "
+            "the docs: docs/index.md (`mkdocs serve` in a checkout), `raylane status` for the pools",
             flush=True,
         )
         reload = threading.Event()

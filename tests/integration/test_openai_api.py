@@ -620,6 +620,7 @@ def test_raylane_serve_runs_the_embedded_default_until_ctrl_c(demo_models):
         url = banner.split(" at ", 1)[1].split()[0]
         assert url == f"http://127.0.0.1:{port}/v1"
         assert "behind Serve's proxy" in banner  # http.ingress: proxy, the default
+        assert wait_for(lambda: any("metrics at /metrics" in line for line in list(lines)), timeout=10)
         client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list()] == ["coding", "reasoning", "chat", "all-MiniLM-L6-v2"]
         question = [{"role": "user", "content": "What is the capital of France?"}]
