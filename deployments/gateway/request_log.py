@@ -2,11 +2,10 @@
 
 `RequestLogMiddleware` (pure ASGI, so streams pass through untouched) opens a `RequestRecord`
 (deployments/gateway/request_record.py) per HTTP request and makes it `current_record()` for the
-handler and the stream it returns. It fills
-the record from what the response says (status, `x-raylane-route` / `-pool` / `-tier` /
-`-fallback` headers, a 429's error code); the pool's `RequestSummary`, relayed by the gateway with
-`note_summary`, adds tokens, TTFT and finish reason. At completion the record goes to the gateway's
-metrics and to the log.
+handler and the stream it returns. It fills the record from what the response says (status,
+`x-raylane-route` / `-pool` / `-tier` / `-fallback` headers, a 429's error code); the pool's
+`RequestSummary`, relayed by the gateway with `note_summary`, adds tokens, TTFT and finish reason.
+At completion the record goes to the gateway's metrics and to the log.
 
 The request id is the `x-request-id` header: Ray Serve's proxy keeps the client's or makes one, and
 echoes it on the response (so the handler's own `x-request-id` header is dropped here, or the client
