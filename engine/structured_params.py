@@ -8,7 +8,7 @@ the engine loop only deserializes it. Constructing the params with `check=False`
 (unbounded) check for a caller that runs `validate()` there.
 
 xgrammar (which imports torch) is imported by the check only: the gateway builds these params for
-every request and imports neither (deployments/gateway/ingress.py checks grammars in its worker).
+every request and imports neither (deployments/gateway/core.py checks grammars in its worker).
 """
 
 from __future__ import annotations

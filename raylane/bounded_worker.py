@@ -12,7 +12,7 @@ The worker runs SCHED_IDLE (see `run_below_serving`): a client's work takes what
 The queue is bounded in all (`max_pending`) and per API key (`max_pending_per_key`): a call that
 finds either full gets `WorkerBusy` at once, never a silent wait.
 
-Used for grammars, where the gateway checks a request's grammar (deployments/gateway/ingress.py) and
+Used for grammars, where the gateway checks a request's grammar (deployments/gateway/core.py) and
 a pool compiles it (engine/grammar_compiler.py), and for /v1/embeddings in the gateway
 (deployments/gateway/embeddings.py). It imports nothing of raylane; its forkserver imports
 raylane.below_serving first, which puts it below the serving processes before its preload.

@@ -36,7 +36,7 @@ from raylane.deployments.gateway.pool_failures import (
 )
 from raylane.deployments.gateway.pool_health import PoolHealth, PoolOutage
 from raylane.deployments.gateway.relay import SSE_HEADERS, BoundedStreamingResponse, drain_later, relay
-from raylane.deployments.gateway.request_log import note_summary
+from raylane.deployments.gateway.request_record import note_summary
 from raylane.deployments.gateway.resumption import Resumer
 from raylane.deployments.gateway.spans import end_pool_call, start_pool_call, summary_attributes
 from raylane.deployments.protocol.errors import (

@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi.responses import Response
 
-from raylane.deployments.gateway.request_log import router_timed
+from raylane.deployments.gateway.request_record import router_timed
 from raylane.deployments.protocol.errors import client_error, unavailable
 from raylane.router import Principal, RateCharge, Router
 

@@ -22,7 +22,7 @@ from starlette.types import Message, Send
 
 from raylane import tracing
 from raylane.deployments.gateway.pool_failures import pool_failure
-from raylane.deployments.gateway.request_log import note_summary
+from raylane.deployments.gateway.request_record import note_summary
 from raylane.deployments.gateway.resumption import Resumer
 from raylane.deployments.gateway.spans import end_pool_call, summary_attributes
 from raylane.deployments.protocol.errors import OpenAIError

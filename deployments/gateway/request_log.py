@@ -1,11 +1,11 @@
 """One structured JSON log line per request, written when the response's last byte is sent.
 
-`RequestLogMiddleware` (pure ASGI, so streams pass through untouched) opens a `RequestRecord` per
-HTTP request and makes it `current_record()` for the handler and the stream it returns. It fills
-the record from what the response says (status, `x-raylane-route` / `-pool` / `-tier` /
-`-fallback` headers, a 429's error code); the pool's `RequestSummary`, relayed by the gateway with
-`note_summary`, adds tokens, TTFT and finish reason. At completion the record goes to the gateway's
-metrics and to the log.
+`RequestLogMiddleware` (pure ASGI, so streams pass through untouched) opens a `RequestRecord`
+(deployments/gateway/request_record.py) per HTTP request and makes it `current_record()` for the
+handler and the stream it returns. It fills the record from what the response says (status,
+`x-raylane-route` / `-pool` / `-tier` / `-fallback` headers, a 429's error code); the pool's
+`RequestSummary`, relayed by the gateway with `note_summary`, adds tokens, TTFT and finish reason.
+At completion the record goes to the gateway's metrics and to the log.
 
 The request id is the `x-request-id` header: Ray Serve's proxy keeps the client's or makes one, and
 echoes it on the response (so the handler's own `x-request-id` header is dropped here, or the client
@@ -25,7 +25,6 @@ request's `messages` / `prompt` (debugging only). Lines go to `RAYLANE_REQUEST_L
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import json
 import logging
 import os
@@ -33,129 +32,18 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from raylane import tracing
-from raylane.deployments.gateway.spans import route_attributes
+from raylane.deployments.gateway.request_record import CURRENT, RequestRecord
 from raylane.deployments.metrics.gateway import gateway_metrics
-from raylane.deployments.protocol.wire import RequestSummary
 
 REQUEST_ID_HEADER = "x-request-id"
 TRACE_ID_HEADER = "x-raylane-trace-id"
 CLIENT_CLOSED = 499  # the status of a request whose client went away before the response began
 MAX_PROMPT_BODY = 1 << 20  # with RAYLANE_LOG_PROMPTS, bodies larger than this are not logged
-
-_current: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar(
-    "raylane_request", default=None
-)
-
-
 # x-raylane-<field> -> RequestRecord
 HEADER_FIELDS = ("route", "pool", "tier", "fallback", "decision", "adapter")
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    request_id: str
-    method: str
-    path: str
-    started: float = field(default_factory=time.monotonic)
-    endpoint: str = "other"  # the route's path template (bounded label values)
-    status: int | None = None
-    route: str | None = None
-    pool: str | None = None
-    adapter: str | None = None  # the LoRA adapter it ran with
-    tier: str | None = None
-    fallback: str | None = None  # x-raylane-fallback: "from;reason=why, ..."
-    decision: str | None = None  # x-raylane-decision: how `auto` chose (semantic, rule, default, sticky)
-    shed: bool = False
-    error_code: str | None = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    cached_tokens: int | None = None
-    ttft_s: float | None = None
-    finish_reason: str | None = None
-    router_latency_s: float | None = None  # set by the gateway where it times the router
-    config_generation: int | None = None  # the live config that served it (`raylane apply`)
-    resumptions: list[tuple[str, str]] = field(default_factory=list)  # (pool, reason) per resumption
-    latency_s: float | None = None
-    prompt: Any = None  # only with RAYLANE_LOG_PROMPTS
-    trace_id: str | None = None  # the request's trace (32 hex digits) while tracing is on
-    span: Any = None  # its root span (deployments/gateway/spans.py); None while tracing is off
-
-    def fallbacks(self) -> list[tuple[str, str, str]]:
-        """(from_pool, to_pool, reason) per move down the fallback chain: each pool left handed the
-        request to the next one left, the last to the pool that served. Leaving the last candidate
-        (every pool busy or down: a 429 or 503) is no fallback and is not listed."""
-        if not self.fallback:
-            return []
-        left = []
-        for part in self.fallback.split(","):
-            pool, _, reason = part.strip().partition(";reason=")
-            left.append((pool, reason or "unknown"))
-        served = self.pool if self.pool and self.status is not None and self.status < 400 else None
-        targets = [pool for pool, _ in left[1:]] + [served]
-        return [(p, to, reason) for (p, reason), to in zip(left, targets, strict=True) if to and to != p]
-
-    def to_json(self, include_prompt: bool = False) -> str:
-        fields = {
-            "ts": round(time.time(), 3),
-            "request_id": self.request_id,
-            "method": self.method,
-            "endpoint": self.endpoint,
-            "status": self.status,
-            "route": self.route,
-            "pool": self.pool,
-            "adapter": self.adapter,
-            "tier": self.tier,
-            "fallback": self.fallback,
-            "decision": self.decision,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "cached_tokens": self.cached_tokens,
-            "ttft_s": _round(self.ttft_s),
-            "latency_s": _round(self.latency_s),
-            "finish_reason": self.finish_reason,
-            "config_generation": self.config_generation,
-        }
-        if self.trace_id:
-            fields["trace_id"] = self.trace_id
-        if self.error_code:
-            fields["error_code"] = self.error_code
-        if self.resumptions:
-            fields["resumptions"] = [{"pool": pool, "reason": reason} for pool, reason in self.resumptions]
-        if include_prompt and self.prompt is not None:
-            fields["prompt"] = self.prompt
-        return json.dumps(fields, separators=(",", ":"), default=str)
-
-
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 6)
-
-
-def current_record() -> RequestRecord | None:
-    """The record of the request being handled (None outside one)."""
-    return _current.get()
-
-
-def note_summary(summary: RequestSummary) -> None:
-    """Add a pool's `RequestSummary` (from its last item) to the current request's record."""
-    record = _current.get()
-    if record is None:
-        return
-    record.prompt_tokens = (record.prompt_tokens or 0) + summary.prompt_tokens
-    record.completion_tokens = (record.completion_tokens or 0) + summary.completion_tokens
-    record.cached_tokens = (record.cached_tokens or 0) + summary.cached_tokens
-    record.ttft_s = summary.ttft_s
-    record.finish_reason = summary.finish_reason
-
-
-def note_resumption(pool: str, reason: str) -> None:
-    """The current request was resumed on `pool` after its replica failed (`reason`)."""
-    record = _current.get()
-    if record is not None:
-        record.resumptions.append((pool, reason))
 
 
 def log_prompts_enabled() -> bool:
@@ -247,7 +135,7 @@ class RequestLogMiddleware:
                 self._on_error_body(record, message.get("body", b""))
             await send(message)
 
-        token = _current.set(record)
+        token = CURRENT.set(record)
         span_token = _open_span(record, scope, headers) if tracing.enabled() else None
         try:
             await self.app(scope, receive_wrapper if capture_prompt else receive, send_wrapper)
@@ -258,7 +146,7 @@ class RequestLogMiddleware:
             record.status = record.status or (CLIENT_CLOSED if _client_went_away(e) else 500)
             raise
         finally:
-            _current.reset(token)
+            CURRENT.reset(token)
             record.latency_s = time.monotonic() - record.started
             route = scope.get("route")
             record.endpoint = getattr(route, "path", None) or "other"
@@ -364,19 +252,3 @@ def _prompt_of(body: bytes) -> Any:
 def _default_complete(record: RequestRecord) -> None:
     gateway_metrics().observe(record)
     write(record)
-
-
-async def router_timed(awaitable):
-    """Await a router call, adding its time to the current record (`raylane_router_latency_seconds`),
-    in a `gateway.route` span that names what it decided."""
-    started = time.monotonic()
-    try:
-        with tracing.span("gateway.route") as span:
-            result = await awaitable
-            if span is not None:
-                route_attributes(span, result[0] if isinstance(result, tuple) else result)
-            return result
-    finally:
-        record = _current.get()
-        if record is not None:
-            record.router_latency_s = (record.router_latency_s or 0.0) + time.monotonic() - started

@@ -33,7 +33,7 @@ from raylane.deployments.gateway.pool_failures import (
     resumption_reason,
 )
 from raylane.deployments.gateway.pool_health import PoolHealth, PoolOutage
-from raylane.deployments.gateway.request_log import note_resumption
+from raylane.deployments.gateway.request_record import note_resumption
 from raylane.deployments.gateway.spans import end_pool_call, start_pool_call
 from raylane.deployments.protocol.errors import OpenAIError, client_error, internal_error, unavailable
 from raylane.deployments.protocol.wire import PoolItem, PoolRequest, ResumeState, StreamItem

@@ -12,7 +12,7 @@ DASHBOARDS = Path(__file__).parents[2] / "k8s" / "dashboards"
 
 def exported_sample_names() -> set[str]:
     """Sample names in the aggregate `/metrics` renders after one request of every kind."""
-    from raylane.deployments.gateway.request_log import RequestRecord
+    from raylane.deployments.gateway.request_record import RequestRecord
     from raylane.deployments.metrics.aggregator import MetricsAggregator
     from raylane.deployments.metrics.gateway import GatewayMetrics
     from raylane.deployments.metrics.pool import PoolMetrics, RequestTracker

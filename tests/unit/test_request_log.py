@@ -7,12 +7,8 @@ import json
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from raylane.deployments.gateway.request_log import (
-    RequestLogMiddleware,
-    RequestRecord,
-    note_summary,
-    router_timed,
-)
+from raylane.deployments.gateway.request_log import RequestLogMiddleware
+from raylane.deployments.gateway.request_record import RequestRecord, note_summary, router_timed
 from raylane.deployments.protocol.wire import RequestSummary
 
 SECRET = "my-secret-prompt-words"
