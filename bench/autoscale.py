@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import statistics
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from raylane.bench.common import client_machine, print_table, write_json
+from raylane.bench.common import client_result, print_table, write_json
 from raylane.bench.datasets import BenchRequest
 from raylane.bench.fleet import raylane_config
 from raylane.bench.stream_load import Stream, Target, run_load
@@ -164,15 +163,7 @@ def run(args: argparse.Namespace) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         write_json(
             args.out / "autoscale.json",
-            {
-                "benchmark": "autoscale",
-                "date": datetime.date.today().isoformat(),
-                "client_machine": client_machine(),
-                "options": {
-                    k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"
-                },
-                **result,
-            },
+            client_result("autoscale", args, **result),
         )
         plot(result, args.out / "autoscale.png")
     print_result(result, args)

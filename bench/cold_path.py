@@ -17,7 +17,6 @@ starts N clusters with tracing on and N with it off, alternated: tracing's cost 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import signal
 import statistics
@@ -28,7 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from raylane.bench.common import client_machine, print_table, process_tree_cpu_by_name, write_json
+from raylane.bench.common import (
+    client_result,
+    print_table,
+    process_tree_cpu_by_name,
+    write_json,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -198,13 +202,7 @@ def run(args: argparse.Namespace) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         write_json(
             args.out / "cold_path.json",
-            {
-                "benchmark": "cold-path",
-                "date": datetime.date.today().isoformat(),
-                "client_machine": client_machine(),
-                "options": {k: str(v) for k, v in vars(args).items() if k != "func"},
-                "runs": runs,
-            },
+            client_result("cold-path", args, runs=runs),
         )
     return 0
 

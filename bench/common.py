@@ -1,5 +1,6 @@
 """Helpers every benchmark shares: what machine ran it, timing, and writing results (JSON + PNG)."""
 
+import datetime
 import importlib.metadata
 import json
 import os
@@ -223,6 +224,18 @@ def print_table(headers: list[str], rows: list[list[str]]) -> None:
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in rows:
         print(line(row))
+
+
+def client_result(benchmark: str, args: Any, **figures: Any) -> dict[str, Any]:
+    """A client-side benchmark's JSON: its name, the date, the machine that ran the client, the
+    options it ran with (paths as text) and its figures."""
+    return {
+        "benchmark": benchmark,
+        "date": datetime.date.today().isoformat(),
+        "client_machine": client_machine(),
+        "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"},
+        **figures,
+    }
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import itertools
 import random
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from raylane.bench.common import client_machine, print_table, pyplot, write_json
+from raylane.bench.common import client_result, print_table, pyplot, write_json
 from raylane.bench.datasets import (
     BenchRequest,
     TokenCounter,
@@ -235,15 +234,7 @@ def run(args: argparse.Namespace) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         write_json(
             args.out / "scale.json",
-            {
-                "benchmark": "scale",
-                "date": datetime.date.today().isoformat(),
-                "client_machine": client_machine(),
-                "options": {
-                    k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"
-                },
-                "points": results,
-            },
+            client_result("scale", args, points=results),
         )
         plot(results, args.out / "scale.png")
     return 0
